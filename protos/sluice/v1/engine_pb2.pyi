@@ -1,0 +1,108 @@
+from protos.sluice.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "adapter", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    adapter: str
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class EngineRequest(_message.Message):
+    __slots__ = ("submits", "aborts")
+    SUBMITS_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    submits: _containers.RepeatedCompositeFieldContainer[SubmitRequest]
+    aborts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, submits: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ..., aborts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters")
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    resident_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SequenceUpdate(_message.Message):
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    finish_reason: _common_pb2.FinishReason
+    error: _common_pb2.ItemError
+    usage: _common_pb2.Usage
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[_Union[_common_pb2.ItemError, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class EngineStep(_message.Message):
+    __slots__ = ("updates", "load", "step_index", "step_time_ms", "num_batched_tokens")
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
+    load: EngineLoad
+    step_index: int
+    step_time_ms: float
+    num_batched_tokens: int
+    def __init__(self, updates: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., step_index: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., num_batched_tokens: _Optional[int] = ...) -> None: ...
+
+class EngineInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos_token_ids", "engine_id", "backend", "device", "dtype", "load")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    engine_id: str
+    backend: str
+    device: str
+    dtype: str
+    load: EngineLoad
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...

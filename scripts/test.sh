@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole check that CI runs: lint, format, then every test (gpu tests skip without CUDA).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${SLUICE_VENV:-.venv}/bin/python
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .
+"$PY" -m pytest -q "$@"

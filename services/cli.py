@@ -1,0 +1,5 @@
+"""The `sluice` command."""
+
+
+def main() -> None:
+    raise SystemExit("sluice: not built yet")

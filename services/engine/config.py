@@ -1,0 +1,99 @@
+"""The engine's configuration: one frozen, validated dataclass for LLM, LLMEngine and the worker.
+
+Filled from flags, then `SLUICE_*` environment variables, then these defaults through
+`services.common.config.from_layers`. Defaults suit the CPU (the default here and in CI); on a
+GPU the KV cache is sized from `gpu_memory_utilization` unless `kv_cache_bytes` is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import field
+from services.common.errors import InvalidArgumentError
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine loads its model and schedules its requests."""
+
+    model: str | None = field(
+        None, help="model: None = default SmolLM2-135M, an HF dir, a .gguf file, or dummy:<shape>"
+    )
+    backend: str = field("torch", help="forward backend (torch; cuda/tensorrt where built)")
+    device: str = field("auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    dtype: str = field("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16...")
+    block_size: int = field(16, help="tokens per KV cache block")
+    kv_cache_bytes: int | None = field(
+        None, help="bytes of KV cache (default: the model runner's choice for the device)"
+    )
+    gpu_memory_utilization: float = field(
+        0.85, help="fraction of GPU memory the engine may use (weights + KV cache)"
+    )
+    max_num_seqs: int = field(256, help="most sequences in one forward step")
+    max_num_batched_tokens: int = field(
+        2048, help="token budget of one forward step (longer prompts are prefilled in chunks)"
+    )
+    max_model_len: int | None = field(
+        None, help="context length cap (default: the model's own context)"
+    )
+    enable_prefix_caching: bool = field(True, help="reuse KV blocks of shared prompt prefixes")
+    seed: int = field(0, help="seed of the random weights (dummy models) and unseeded sampling")
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise InvalidArgumentError("model must be a non-empty string or None")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise InvalidArgumentError("backend must be a non-empty string")
+        if not isinstance(self.device, str) or not _valid_device(self.device):
+            raise InvalidArgumentError(
+                f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidArgumentError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_bytes is not None:
+            _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)):
+            raise InvalidArgumentError("gpu_memory_utilization must be a number")
+        if not 0.0 < utilization <= 1.0:
+            raise InvalidArgumentError(
+                f"gpu_memory_utilization must be in (0, 1], got {utilization}"
+            )
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+            if self.max_model_len < 2:
+                raise InvalidArgumentError("max_model_len must be >= 2")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidArgumentError("enable_prefix_caching must be a boolean")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise InvalidArgumentError(f"seed must be an integer >= 0, got {self.seed!r}")
+
+    def resolved_device(self) -> str:
+        """The concrete device: `auto` becomes cuda when a GPU is visible, else cpu."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _valid_device(device: str) -> bool:
+    if device in ("cpu", "cuda", "auto"):
+        return True
+    prefix, _, index = device.partition(":")
+    return prefix == "cuda" and index.isdigit()
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise InvalidArgumentError(f"{name} must be >= 1, got {value}")

@@ -1,0 +1,266 @@
+"""LLMEngine: one engine's request lifecycle over the scheduler, model runner and sampler.
+
+Not thread-safe: one thread drives it (the worker's forward loop, or `LLM.generate`). Each
+`step()` schedules one forward pass (decodes, chunked prefills), runs it, samples the sequences
+whose logits came back, checks their stop conditions and returns every sequence's news in one
+`StepOutput`, plus the engine's load. Requests are validated at `add_request` with messages meant
+for the caller; an aborted request's blocks are freed at once and it is reported once, with
+finish reason ABORT, by the next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.outputs import (
+    EngineLoad,
+    FinishReason,
+    SequenceDelta,
+    StepOutput,
+    TokenLogprob,
+)
+from services.engine.sampler import Sampler
+from services.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a caller needs to know about a running engine (sent by the worker's Info RPC)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    eos_token_ids: tuple[int, ...]
+    backend: str
+    device: str
+    dtype: str
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model runner."""
+
+    def __init__(self, config: EngineConfig, *, model_runner: Any | None = None) -> None:
+        self.config = config
+        self.model_files: Any = getattr(model_runner, "model_files", None)
+        if model_runner is None:
+            model_runner, self.model_files = self._build_runner(config)
+        self.runner = model_runner
+        model_config = model_runner.model_config
+        self.block_manager = BlockManager(
+            model_runner.num_blocks, model_runner.block_size, config.enable_prefix_caching
+        )
+        max_model_len = int(model_config.max_model_len)
+        if config.max_model_len is not None:
+            max_model_len = min(max_model_len, config.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+            self.block_manager,
+        )
+        eos = tuple(int(token) for token in model_config.eos_token_ids)
+        self.sampler = Sampler(eos, seed=config.seed)
+        self.info = EngineInfo(
+            model_name=str(model_config.name),
+            max_model_len=max_model_len,
+            vocab_size=int(model_config.vocab_size),
+            block_size=model_runner.block_size,
+            num_blocks=model_runner.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            eos_token_ids=eos,
+            backend=config.backend,
+            device=str(model_runner.device),
+            dtype=str(model_runner.dtype).removeprefix("torch."),
+        )
+        self._eos = frozenset(eos)
+        self._requests: dict[str, Sequence] = {}
+        self._aborted: list[SequenceDelta] = []
+        self._seq_ids = itertools.count()
+
+    @staticmethod
+    def _build_runner(config: EngineConfig) -> tuple[Any, Any]:
+        import torch
+
+        from services.common.model_files import resolve_model
+        from services.engine.model_runner import ModelRunner
+
+        files = resolve_model(config.model)
+        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        runner = ModelRunner(
+            files,
+            device=config.resolved_device(),
+            dtype=dtype,
+            block_size=config.block_size,
+            kv_cache_bytes=config.kv_cache_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_model_len=config.max_model_len,
+            backend=config.backend,
+            seed=config.seed,
+        )
+        return runner, files
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        adapter: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue a request; raises a SluiceError subclass on bad input."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError("request_id must be a non-empty string")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgumentError(
+                f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters"
+            )
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError("params must be a SamplingParams")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidArgumentError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise InvalidArgumentError("prompt_token_ids must be a list of integers")
+        prompt = list(prompt_token_ids)
+        validate_prompt_token_ids(prompt, self.info.vocab_size)
+        params.validate_for_model(len(prompt), self.info.max_model_len, self.info.vocab_size)
+        if adapter:
+            raise NotFoundError(f"unknown adapter {adapter!r} (no LoRA adapters are loaded)")
+        if request_id in self._requests:
+            raise AlreadyExistsError(f"request {request_id!r} is already running")
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            adapter=None,
+            priority=priority,
+        )
+        self.scheduler.add(seq)  # raises ResourceExhaustedError if it can never fit
+        self._requests[request_id] = seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a live request and free its blocks; False if it is unknown or already done."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = FinishReason.ABORT
+        self._aborted.append(self._delta(seq, [], None, FinishReason.ABORT))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._aborted)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            free_blocks=self.block_manager.num_free_blocks,
+            total_blocks=self.block_manager.num_blocks,
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            resident_adapters=(),
+        )
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        started = time.perf_counter()
+        deltas, self._aborted = self._aborted, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return StepOutput(deltas, self.load(), time.perf_counter() - started, 0)
+        num_tokens = plan.batch.num_tokens
+        try:
+            logits = self.runner.execute(plan.batch)
+        except Exception as exc:  # a failed forward fails its requests, never the engine
+            logger.exception("forward step failed")
+            for seq, _ in plan.scheduled:
+                deltas.append(self._fail(seq, f"the engine failed this request: {exc}"))
+            return StepOutput(deltas, self.load(), time.perf_counter() - started, num_tokens)
+
+        to_sample: list[Sequence] = []
+        for seq, count in plan.scheduled:
+            seq.num_computed_tokens += count
+            self.block_manager.register_computed_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                to_sample.append(seq)
+        if to_sample:
+            sampled = self.sampler.sample(logits, to_sample)
+            for seq, token, logprob in zip(
+                to_sample, sampled.token_ids, sampled.logprobs, strict=True
+            ):
+                seq.append_token(token, logprob)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    self._requests.pop(seq.request_id, None)
+                    self.scheduler.finish(seq)
+                    seq.finish_reason = reason
+                deltas.append(self._delta(seq, [token], logprob, reason))
+        return StepOutput(deltas, self.load(), time.perf_counter() - started, num_tokens)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in self._eos and not params.ignore_eos:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.info.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _fail(self, seq: Sequence, message: str) -> SequenceDelta:
+        self._requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        seq.finish_reason = FinishReason.ERROR
+        delta = self._delta(seq, [], None, FinishReason.ERROR)
+        delta.error = message
+        return delta
+
+    @staticmethod
+    def _delta(
+        seq: Sequence,
+        tokens: list[int],
+        logprob: TokenLogprob | None,
+        reason: FinishReason | None,
+    ) -> SequenceDelta:
+        return SequenceDelta(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            logprobs=[logprob] if logprob is not None else None,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+        )

@@ -1,0 +1,179 @@
+"""Iteration-level scheduler: which sequences run in the next forward step, and how much of each.
+
+Plain Python, no tensors. Each step has a token budget (`max_num_batched_tokens`) and a sequence
+cap (`max_num_seqs`). Running sequences go first: decodes (one token each), then prompts still
+being prefilled in chunks; then waiting requests are admitted by (priority, arrival), lower
+priority values first, each taking as much of the remaining budget as it needs (chunked
+prefill). When a running sequence needs a KV block and none is free, the running sequence with
+the lowest priority (highest value, latest arrival) is preempted by recompute: its blocks are
+freed and it waits again, to be recomputed from its prompt plus the tokens it already generated.
+A request that could never fit (more blocks than the whole cache) is refused at `add`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from services.common.errors import ResourceExhaustedError
+from services.engine.block_manager import BlockManager
+from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
+from services.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    admission_watermark: float = 0.01  # share of blocks kept free when admitting new prompts
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: the batch for the model runner and how many tokens each sequence runs."""
+
+    batch: ScheduledBatch
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """Scheduling order: lower priority value first, then earlier arrival."""
+    return (seq.priority, seq.arrival)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and preemption by recompute."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []  # heap by rank
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
+
+    # ---- requests -------------------------------------------------------------------------
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ResourceExhaustedError if `seq` could never fit in the KV cache, even alone."""
+        needed = self.block_manager.blocks_needed(seq.max_total_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ResourceExhaustedError(
+                f"request {seq.request_id!r} needs up to {seq.max_total_tokens} tokens "
+                f"(prompt {seq.num_prompt_tokens} + max_tokens {seq.params.max_tokens}) = "
+                f"{needed} KV blocks of {self.block_manager.block_size} tokens, but the cache "
+                f"has only {self.block_manager.num_blocks} blocks"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self.waiting, (_rank(seq), seq.seq_id, seq))
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
+            heapq.heapify(self.waiting)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        output = SchedulerOutput(batch=ScheduledBatch())
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+
+        # Running sequences: decodes first, then chunked prefills, each group by rank.
+        candidates = sorted(
+            self.running, key=lambda seq: (seq.num_uncomputed_tokens > 1, _rank(seq))
+        )
+        kept: list[Sequence] = []
+        while candidates and budget > 0:
+            seq = candidates.pop(0)
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
+                victim = max([*candidates, seq], key=_rank)
+                if victim is not seq:
+                    candidates.remove(victim)
+                self._preempt(victim, output)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            kept.append(seq)
+            budget -= num_tokens
+            target = decodes if seq.num_uncomputed_tokens == 1 else prefills
+            target.append((seq, num_tokens))
+        kept.extend(candidates)  # not scheduled this step (budget spent), still running
+        self.running = kept
+
+        # Admit waiting requests while budget, sequence slots and blocks allow.
+        if not output.preempted:
+            self._admit(budget, prefills)
+
+        for seq, num_tokens in decodes + prefills:
+            start = seq.num_computed_tokens
+            output.batch.sequences.append(
+                ScheduledSequence(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.token_ids[start : start + num_tokens],
+                    start_position=start,
+                    block_table=list(seq.block_table),
+                    needs_logits=start + num_tokens == seq.num_tokens,
+                    adapter_slot=seq.adapter_slot,
+                )
+            )
+            output.scheduled.append((seq, num_tokens))
+        return output
+
+    def _admit(self, budget: int, prefills: list[tuple[Sequence, int]]) -> None:
+        manager = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0][2]
+            if not seq.block_table:
+                cached = manager.match_prefix(seq)
+                seq.num_computed_tokens = cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            needed = manager.num_new_blocks(seq, seq.num_computed_tokens + num_tokens)
+            reserve = self._watermark_blocks if self.running else 0
+            if needed + reserve > manager.num_free_blocks or not manager.allocate(
+                seq, seq.num_computed_tokens + num_tokens
+            ):
+                # Give back the cached prefix so the blocks stay evictable while it waits.
+                manager.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            heapq.heappop(self.waiting)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= num_tokens
+            prefills.append((seq, num_tokens))
+
+    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        heapq.heappush(self.waiting, (_rank(seq), seq.seq_id, seq))
+        output.preempted.append(seq)
+        self.num_preemptions += 1

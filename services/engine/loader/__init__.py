@@ -1,0 +1,1 @@
+"""Weight loading: Hugging Face safetensors directories, and random weights of named shapes."""

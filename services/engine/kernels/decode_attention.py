@@ -1,0 +1,183 @@
+"""Paged decode attention with split-K (flash-decoding): one query token per sequence.
+
+Grid (sequence, kv head, split): each program loads the query rows of every head that shares
+its kv head (GQA; padded to 16 rows for tensor-core dots), walks its share of the sequence's
+cached tokens through the block table in tiles of BLOCK_N tokens, and writes a partial output
+with its log-sum-exp. A second small kernel merges the splits. The split count depends only on
+the batch size, not on the context lengths, so a captured CUDA graph stays valid as sequences
+grow; splits past a sequence's end do no work. Padding rows (seq_len 0) produce zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    scale_log2,
+    block_table_stride,
+    num_heads,
+    num_kv_heads,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    rows = tl.arange(0, GROUP_P)
+    dims = tl.arange(0, HEAD_DIM)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
+    q = tl.load(
+        q_ptr + (seq * num_heads + heads)[:, None] * HEAD_DIM + dims[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+    max_score = tl.full([GROUP_P], float("-inf"), tl.float32)
+    denominator = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+    slot_stride = num_kv_heads * HEAD_DIM
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        blocks = tl.load(
+            block_tables_ptr + seq * block_table_stride + tokens // BLOCK_SIZE,
+            mask=token_mask,
+            other=0,
+        ).to(tl.int64)
+        slots = blocks * BLOCK_SIZE + tokens % BLOCK_SIZE
+        offsets = slots[:, None] * slot_stride + kv_head * HEAD_DIM + dims[None, :]
+        k = tl.load(key_cache_ptr + offsets, mask=token_mask[:, None], other=0.0)
+        v = tl.load(value_cache_ptr + offsets, mask=token_mask[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale_log2
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        new_max = tl.maximum(max_score, tl.max(scores, axis=1))
+        probabilities = tl.exp2(scores - new_max[:, None])
+        correction = tl.exp2(max_score - new_max)
+        denominator = denominator * correction + tl.sum(probabilities, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probabilities.to(v.dtype), v)
+        max_score = new_max
+    has_tokens = denominator > 0
+    out = acc / tl.where(has_tokens, denominator, 1.0)[:, None]
+    lse = tl.where(has_tokens, max_score + tl.log2(tl.where(has_tokens, denominator, 1.0)), -1e30)
+    partial_index = (seq * num_heads + heads) * NUM_SPLITS + split
+    tl.store(
+        partial_out_ptr + partial_index[:, None] * HEAD_DIM + dims[None, :],
+        out,
+        mask=row_mask[:, None],
+    )
+    tl.store(partial_lse_ptr + partial_index, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # seq * num_heads + head
+    splits = tl.arange(0, SPLITS_P)
+    dims = tl.arange(0, HEAD_DIM)
+    split_mask = splits < NUM_SPLITS
+    lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=-1e30)
+    best = tl.max(lse, axis=0)
+    weights = tl.where(split_mask & (lse > -1e29), tl.exp2(lse - best), 0.0)
+    total = tl.sum(weights, axis=0)
+    partial = tl.load(
+        partial_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None],
+        other=0.0,
+    )
+    merged = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, merged.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Enough (sequence, kv head, split) programs to fill the GPU about twice over."""
+    wanted = triton.cdiv(2 * num_sms, max(1, batch_size * num_kv_heads))
+    return int(min(32, max(1, triton.next_power_of_2(wanted))))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of query [B, heads, head_dim] (one token each) over the paged cache -> same shape.
+
+    seq_lens [B] int32 counts the cached tokens including this step's (already written).
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads)
+    query = query.contiguous()
+    partial_out = torch.empty(
+        (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+    )
+    partial_lse = torch.empty(
+        (batch, num_heads, num_splits), dtype=torch.float32, device=query.device
+    )
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        scale * _LOG2E,
+        block_tables.stride(0),
+        num_heads,
+        num_kv_heads,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        GROUP_P=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=64,
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_merge_kernel[(batch * num_heads,)](
+        partial_out,
+        partial_lse,
+        out,
+        NUM_SPLITS=num_splits,
+        SPLITS_P=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        num_warps=1 if head_dim <= 64 else 2,
+    )
+    return out

@@ -1,0 +1,69 @@
+"""Fused residual add + RMSNorm: one read of x and residual, one write of each output.
+
+Llama runs `residual = x + residual; x = rms_norm(residual) * weight` twice per layer; fusing
+the add into the norm saves two passes over the hidden states, which matters in decode where
+every step is a chain of small memory-bound kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    hidden_size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < hidden_size
+    x = tl.load(x_ptr + row * hidden_size + offsets, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * hidden_size + offsets, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * hidden_size + offsets, x, mask=mask)
+    hidden = x.to(tl.float32)
+    variance = tl.sum(hidden * hidden, axis=0) / hidden_size
+    weight = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    normed = hidden * tl.rsqrt(variance + eps) * weight
+    tl.store(out_ptr + row * hidden_size + offsets, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual) for x [T, H]; new_residual = x + residual, or x when None."""
+    x = x.contiguous()
+    rows, hidden_size = x.shape
+    out = torch.empty_like(x)
+    if residual is None:
+        residual_out = x
+    else:
+        residual_out = torch.empty_like(x)
+        residual = residual.contiguous()
+    if rows == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(hidden_size)
+    _rms_norm_kernel[(rows,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        residual_out,
+        hidden_size,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out, residual_out

@@ -1,0 +1,143 @@
+"""Each Triton kernel against its plain-PyTorch reference, on fresh random inputs (GPU only).
+
+Outputs are poisoned (NaN) before each kernel so an unwritten element fails the check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.kernels import reference
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert not torch.isnan(out).any(), "NaN (unwritten or broken) in kernel output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _paged_setup(seq_lens, query_lens, num_heads, kv_heads, head_dim, block_size, generator):
+    """Random caches, shuffled block tables and metadata for sequences of the given lengths."""
+    blocks_needed = [-(-length // block_size) for length in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    permutation = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros((len(seq_lens), max(blocks_needed)), dtype=torch.int32)
+    used = 0
+    for index, count in enumerate(blocks_needed):
+        tables[index, :count] = permutation[used : used + count].to(torch.int32)
+        used += count
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(DTYPE).to(DEVICE)
+    value_cache = torch.randn(shape, generator=generator).to(DTYPE).to(DEVICE)
+    starts = [0]
+    for length in query_lens:
+        starts.append(starts[-1] + length)
+    query = torch.randn((starts[-1], num_heads, head_dim), generator=generator).to(DTYPE)
+    return (
+        query.to(DEVICE),
+        key_cache,
+        value_cache,
+        tables.to(DEVICE),
+        torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+    )
+
+
+@pytest.mark.parametrize("hidden", [64, 2048, 4096, 5000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(hidden: int, with_residual: bool) -> None:
+    from services.engine.kernels.rms_norm import rms_norm
+
+    x = torch.randn(37, hidden, device=DEVICE, dtype=DTYPE)
+    residual = torch.randn(37, hidden, device=DEVICE, dtype=DTYPE) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(DTYPE)
+    out, new_residual = rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_residual = reference.rms_norm_ref(x, residual, weight, 1e-5)
+    assert _relative_error(out, ref_out) < 1e-2
+    assert _relative_error(new_residual, ref_residual) < 1e-2
+
+
+@pytest.mark.parametrize("intermediate", [128, 8192, 14336, 1000])
+def test_swiglu_matches_reference(intermediate: int) -> None:
+    from services.engine.kernels.swiglu import swiglu
+
+    gate_up = torch.randn(19, 2 * intermediate, device=DEVICE, dtype=DTYPE)
+    assert _relative_error(swiglu(gate_up), reference.swiglu_ref(gate_up)) < 1e-2
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (32, 8, 64), (9, 3, 64)])
+def test_rotary_kv_store_matches_reference(heads: int, kv_heads: int, head_dim: int) -> None:
+    from services.engine.kernels.rotary_kv_store import rotary_kv_store
+
+    tokens, block_size, num_blocks = 23, 16, 8
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=DTYPE)
+    query, key, value = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    positions = torch.randint(0, 4000, (tokens,), device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[3] = -1  # a padding row: its cache write is skipped
+    cos, sin = reference.rotary_cos_sin(head_dim, 4096, 500000.0, DEVICE)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), device=DEVICE, dtype=DTYPE)
+    value_cache = torch.full(shape, float("nan"), device=DEVICE, dtype=DTYPE)
+    ref_key_cache, ref_value_cache = key_cache.clone(), value_cache.clone()
+    q_out = rotary_kv_store(query, key, value, positions, cos, sin, slots, key_cache, value_cache)
+    q3 = query.reshape(tokens, heads, head_dim)
+    k3 = key.reshape(tokens, kv_heads, head_dim)
+    v3 = value.reshape(tokens, kv_heads, head_dim)
+    assert _relative_error(q_out, reference.apply_rotary_ref(q3, positions, cos, sin)) < 1e-2
+    ref_k = reference.apply_rotary_ref(k3, positions, cos, sin)
+    reference.kv_store_ref(ref_k, v3, ref_key_cache, ref_value_cache, slots)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    written[slots[slots >= 0]] = True
+    flat_key, flat_ref = key_cache.flatten(0, 1), ref_key_cache.flatten(0, 1)
+    assert _relative_error(flat_key[written], flat_ref[written]) < 1e-2
+    assert torch.isnan(flat_key[~written]).all(), "wrote outside slot_mapping"
+    flat_value, flat_ref_value = value_cache.flatten(0, 1), ref_value_cache.flatten(0, 1)
+    assert torch.equal(flat_value[written], flat_ref_value[written])
+
+
+@pytest.mark.parametrize("seq_lens", [[1, 17, 300, 2048], [5000], [64, 0, 129]])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (32, 8, 64), (8, 8, 64)])
+def test_decode_attention_matches_reference(seq_lens, heads, kv_heads, head_dim) -> None:
+    from services.engine.kernels.decode_attention import paged_decode_attention
+
+    generator = torch.Generator().manual_seed(sum(seq_lens) + heads)
+    lengths_for_blocks = [max(1, length) for length in seq_lens]
+    query, key_cache, value_cache, tables, starts, lens = _paged_setup(
+        lengths_for_blocks, [1] * len(seq_lens), heads, kv_heads, head_dim, 16, generator
+    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    ref = reference.paged_attention_ref(query, key_cache, value_cache, tables, starts, lens, scale)
+    for splits in (None, 1, 7):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, tables, lens, scale, num_splits=splits
+        )
+        assert _relative_error(out, ref) < 2e-2
+    empty = [index for index, length in enumerate(seq_lens) if length == 0]
+    for index in empty:
+        assert torch.all(out[index] == 0)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,query_lens",
+    [([100], [100]), ([300, 7, 1000], [44, 7, 1000]), ([2048, 50, 513], [1, 50, 200])],
+)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 4, 64)])
+def test_prefill_attention_matches_reference(seq_lens, query_lens, heads, kv_heads, head_dim):
+    from services.engine.kernels.prefill_attention import paged_prefill_attention
+
+    generator = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
+    query, key_cache, value_cache, tables, starts, lens = _paged_setup(
+        seq_lens, query_lens, heads, kv_heads, head_dim, 16, generator
+    )
+    scale = head_dim**-0.5
+    out = paged_prefill_attention(
+        query, key_cache, value_cache, tables, starts, lens, max(query_lens), scale
+    )
+    ref = reference.paged_attention_ref(query, key_cache, value_cache, tables, starts, lens, scale)
+    assert _relative_error(out, ref) < 2e-2

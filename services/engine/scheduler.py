@@ -172,6 +172,8 @@ class Scheduler:
             prefills.append((seq, num_tokens))
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         heapq.heappush(self.waiting, (_rank(seq), seq.seq_id, seq))

@@ -1,0 +1,155 @@
+"""An engine's entry in the shared worker registry, written with a TTL and kept fresh.
+
+Each engine (standalone or as a Ray actor) publishes an `EngineRecord` — its gRPC address, model,
+capacity, current load and resident LoRA adapters — as JSON under `sluice:engines:<engine_id>`
+with a TTL, and rewrites it every `refresh_s` (a fraction of the TTL). Routers watch these keys
+(services/router/registry.py): a new engine shows up without restarting anything, and an engine
+that dies stops refreshing and vanishes when its key expires. A clean exit deletes the key at once.
+A Redis outage is ridden out: failed refreshes are logged and retried, and the record is rewritten
+as soon as Redis answers again. Plain asyncio + JSON; no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+from services.common.errors import InvalidArgumentError
+from services.common.redis_store import SharedStore, StoreUnavailableError
+
+log = logging.getLogger(__name__)
+
+ENGINE_KEY_PREFIX = "sluice:engines:"
+DEFAULT_TTL_S = 10.0
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """What routers need to know to place work on one engine."""
+
+    engine_id: str
+    address: str
+    model: str
+    max_model_len: int = 0
+    block_size: int = 0
+    num_blocks: int = 0
+    max_num_seqs: int = 0
+    free_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    resident_adapters: tuple[str, ...] = ()
+    backend: str = ""
+    device: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    updated_at: float = 0.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.engine_id or not isinstance(self.engine_id, str):
+            raise InvalidArgumentError("engine_id must be a non-empty string")
+        if ":" not in self.address:
+            raise InvalidArgumentError(f"address must be host:port, got {self.address!r}")
+
+    @property
+    def key(self) -> str:
+        return ENGINE_KEY_PREFIX + self.engine_id
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["resident_adapters"] = list(self.resident_adapters)
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> EngineRecord:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise InvalidArgumentError("engine record must be a JSON object")
+        known = {name for name in cls.__dataclass_fields__}
+        values = {name: value for name, value in data.items() if name in known}
+        values["resident_adapters"] = tuple(values.get("resident_adapters") or ())
+        values["extra"] = dict(values.get("extra") or {})
+        return cls(**values)
+
+
+class EngineRegistration:
+    """Keeps one engine's record alive in the store (module docstring).
+
+    `snapshot()` is called before each refresh to get the current record (load, adapters);
+    its `updated_at` is stamped here.
+    """
+
+    def __init__(
+        self,
+        store: SharedStore,
+        snapshot: Callable[[], EngineRecord],
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        refresh_s: float | None = None,
+    ) -> None:
+        if not ttl_s > 0:
+            raise InvalidArgumentError("registration ttl_s must be > 0")
+        self.store = store
+        self.snapshot = snapshot
+        self.ttl_s = ttl_s
+        self.refresh_s = refresh_s if refresh_s is not None else ttl_s / 3
+        if not 0 < self.refresh_s < ttl_s:
+            raise InvalidArgumentError("refresh_s must be > 0 and shorter than ttl_s")
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self.last_record: EngineRecord | None = None
+        self.failures = 0
+
+    async def publish(self) -> EngineRecord:
+        """Write the record now (raises StoreUnavailableError when the store is down)."""
+        record = replace(self.snapshot(), updated_at=time.time())
+        await self.store.set(record.key, record.to_json(), ttl_s=self.ttl_s)
+        self.last_record = record
+        return record
+
+    async def start(self) -> EngineRecord | None:
+        """Publish once (best effort) and keep refreshing in the background."""
+        record: EngineRecord | None = None
+        try:
+            record = await self.publish()
+            log.info("registered engine %s at %s", record.engine_id, record.address)
+        except StoreUnavailableError as exc:
+            self.failures += 1
+            log.warning("could not register engine yet (%s); will retry", exc)
+        self._task = asyncio.get_running_loop().create_task(self._refresh_loop())
+        return record
+
+    async def _refresh_loop(self) -> None:
+        while not self._stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.refresh_s)
+            if self._stopping.is_set():
+                return
+            try:
+                await self.publish()
+            except StoreUnavailableError as exc:
+                self.failures += 1
+                log.warning("engine registry refresh failed (%s); retrying", exc)
+            except Exception:  # noqa: BLE001 - a bad snapshot must not end the refresher
+                self.failures += 1
+                log.exception("engine registry refresh failed")
+
+    async def stop(self, *, deregister: bool = True) -> None:
+        """Stop refreshing; with `deregister`, delete the record so routers drop it now."""
+        self._stopping.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if deregister and self.last_record is not None:
+            try:
+                await self.store.delete(self.last_record.key)
+                log.info("deregistered engine %s", self.last_record.engine_id)
+            except StoreUnavailableError as exc:
+                log.warning("could not deregister (%s); the key expires in %.0f s", exc, self.ttl_s)

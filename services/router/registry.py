@@ -1,0 +1,165 @@
+"""The router's view of the worker registry: which engines exist, where, and how loaded.
+
+Engines publish `EngineRecord`s with a TTL (services/engine/registration.py). `EngineRegistry`
+polls them every `poll_interval_s` and keeps a local view: an engine that registers joins the
+view at the next poll (no router restart), one whose key expired (it stopped refreshing: dead or
+partitioned) leaves it, so a dead engine is gone within TTL + one poll. Listeners are told of
+joins, updates (new address after a restart, new load) and leaves, which is how an engine pool
+opens and closes its sessions.
+
+When the store is unreachable the poll fails fast (the store's timeout), the registry reports
+`degraded` and keeps serving its last known view unchanged; it keeps polling and resumes on its
+own when the store answers again. Plain asyncio; no torch, no gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.errors import InvalidArgumentError
+from services.common.redis_store import SharedStore, StoreUnavailableError
+from services.engine.registration import ENGINE_KEY_PREFIX, EngineRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RegistryChange:
+    """What one poll changed."""
+
+    joined: tuple[EngineRecord, ...] = ()
+    updated: tuple[EngineRecord, ...] = ()
+    left: tuple[EngineRecord, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.joined or self.updated or self.left)
+
+
+Listener = Callable[[RegistryChange], None]
+
+
+class EngineRegistry:
+    """Watches `sluice:engines:*` and keeps the last known view (module docstring)."""
+
+    def __init__(self, store: SharedStore, *, poll_interval_s: float = 1.0) -> None:
+        if not poll_interval_s > 0:
+            raise InvalidArgumentError("poll_interval_s must be > 0")
+        self.store = store
+        self.poll_interval_s = poll_interval_s
+        self._engines: dict[str, EngineRecord] = {}
+        self._listeners: list[Listener] = []
+        self._task: asyncio.Task[None] | None = None
+        self._degraded = False
+        self.last_success: float | None = None
+        self.changed = asyncio.Event()
+
+    @property
+    def degraded(self) -> bool:
+        """True while the last poll failed: the view is the last known one."""
+        return self._degraded
+
+    def engines(self) -> dict[str, EngineRecord]:
+        """engine_id -> record, as of the last successful poll."""
+        return dict(self._engines)
+
+    def addresses(self) -> list[str]:
+        return sorted(record.address for record in self._engines.values())
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    async def poll(self) -> RegistryChange:
+        """Read the registry once and update the view (raises StoreUnavailableError)."""
+        try:
+            keys = await self.store.keys_with_prefix(ENGINE_KEY_PREFIX)
+            values = await self.store.get_many(keys)
+        except StoreUnavailableError:
+            if not self._degraded:
+                log.warning("engine registry unreachable: serving the last known view")
+            self._degraded = True
+            raise
+        if self._degraded:
+            log.warning("engine registry reachable again")
+        self._degraded = False
+        self.last_success = time.monotonic()
+        fresh: dict[str, EngineRecord] = {}
+        for key, raw in zip(keys, values, strict=True):
+            if raw is None:
+                continue  # expired between SCAN and MGET
+            try:
+                record = EngineRecord.from_json(raw)
+            except (ValueError, TypeError) as exc:
+                log.warning("ignoring malformed registry entry %s: %s", key, exc)
+                continue
+            fresh[record.engine_id] = record
+        change = self._apply(fresh)
+        if not change.empty:
+            self._notify(change)
+        return change
+
+    def _apply(self, fresh: dict[str, EngineRecord]) -> RegistryChange:
+        old = self._engines
+        joined = tuple(record for engine_id, record in fresh.items() if engine_id not in old)
+        left = tuple(record for engine_id, record in old.items() if engine_id not in fresh)
+        updated = tuple(
+            record
+            for engine_id, record in fresh.items()
+            if engine_id in old and record.updated_at != old[engine_id].updated_at
+        )
+        self._engines = fresh
+        for record in joined:
+            log.info("engine %s joined at %s", record.engine_id, record.address)
+        for record in left:
+            log.info("engine %s left (%s)", record.engine_id, record.address)
+        return RegistryChange(joined, updated, left)
+
+    def _notify(self, change: RegistryChange) -> None:
+        self.changed.set()
+        for listener in list(self._listeners):
+            try:
+                listener(change)
+            except Exception:  # noqa: BLE001 - one bad listener must not stop the watcher
+                log.exception("registry listener failed")
+
+    async def start(self) -> None:
+        """Poll once (best effort), then keep polling in the background."""
+        with contextlib.suppress(StoreUnavailableError):
+            await self.poll()
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.poll()
+            except StoreUnavailableError:
+                continue
+            except Exception:  # noqa: BLE001 - keep watching whatever happens
+                log.exception("engine registry poll failed")
+
+    async def wait_until(
+        self, predicate: Callable[[dict[str, EngineRecord]], bool], timeout_s: float
+    ) -> bool:
+        """Wait until `predicate(view)` holds (checked after each change); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate(self.engines()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(remaining, self.poll_interval_s))
+        return True
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

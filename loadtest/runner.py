@@ -1,0 +1,352 @@
+"""The open-loop runner: sends each request at its scheduled time, never waiting on answers.
+
+All arrival times are fixed before the run. A dispatcher sleeps until each absolute time and
+starts that request as its own task, so a slow server can only show up as latency. Every
+request records when it was scheduled, when it was dispatched and when its call actually left;
+with ``--max-concurrency`` a dispatched request waits for a slot and that wait is recorded too.
+When one process cannot keep up, ``--workers N`` starts N load-generator processes, each with
+its own event loop and client, the arrivals dealt round-robin; they share one start time (wall
+clock) and send their records back as JSON. A warning is printed when dispatch lag grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import queue
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from loadtest.datasets import RequestSpec
+from loadtest.records import RequestRecord
+from services.common.errors import InvalidArgumentError, UnavailableError
+
+_START_MARGIN_S = 0.05
+_LAG_WARNING_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """Which target to load and how (picklable: it travels to worker processes)."""
+
+    target: str | None = None
+    openai_url: str | None = None
+    model: str | None = None
+    grpc_channels: int = 4
+    timeout_s: float | None = 600.0
+    temperature: float = 0.0
+    api_key: str | None = None
+
+    def make_client(self) -> object:
+        """A GrpcClient or OpenAIClient (not started)."""
+        if (self.target is None) == (self.openai_url is None):
+            raise InvalidArgumentError("give exactly one of --target HOST:PORT and --openai-url")
+        if self.target is not None:
+            from loadtest.grpc_client import GrpcClient
+
+            return GrpcClient(
+                self.target,
+                channels=self.grpc_channels,
+                timeout_s=self.timeout_s,
+                temperature=self.temperature,
+                api_key=self.api_key,
+            )
+        from loadtest.openai_client import OpenAIClient
+
+        return OpenAIClient(
+            self.openai_url or "",
+            model=self.model,
+            timeout_s=self.timeout_s,
+            temperature=self.temperature,
+            api_key=self.api_key,
+        )
+
+
+@dataclass
+class RunResult:
+    """Records (by index) of a finished run and its wall-clock start."""
+
+    records: list[RequestRecord]
+    start_epoch_s: float
+    warnings: list[str] = field(default_factory=list)
+
+
+def run_clock(start_epoch_s: float) -> Callable[[], float]:
+    """Seconds since `start_epoch_s` (a wall time shared by processes), perf_counter-precise."""
+    offset = time.time() - time.perf_counter()
+    return lambda: time.perf_counter() + offset - start_epoch_s
+
+
+class LagMonitor:
+    """Warns (at most every few seconds) when requests leave later than scheduled."""
+
+    def __init__(self, threshold_ms: float, emit: Callable[[str], None]) -> None:
+        self._threshold_s = threshold_ms / 1000.0
+        self._emit = emit
+        self._last_warning = -float("inf")
+        self.warnings: list[str] = []
+
+    def observe(self, index: int, dispatch_lag_s: float | None) -> None:
+        if dispatch_lag_s is None or dispatch_lag_s <= self._threshold_s:
+            return
+        now = time.monotonic()
+        if now - self._last_warning < _LAG_WARNING_EVERY_S:
+            return
+        self._last_warning = now
+        message = (
+            f"warning: request {index} left {dispatch_lag_s * 1000:.1f} ms after its scheduled "
+            "time; the load generator is falling behind (try --workers N)"
+        )
+        self.warnings.append(message)
+        self._emit(message)
+
+
+async def run_schedule(
+    specs: Sequence[RequestSpec],
+    times_s: Sequence[float],
+    client: object,
+    *,
+    start_epoch_s: float,
+    max_concurrency: int | None = None,
+    worker: int = 0,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
+    """Send `specs[i]` at `times_s[i]` seconds after `start_epoch_s`; return their records."""
+    if len(specs) != len(times_s):
+        raise InvalidArgumentError("one scheduled time per request is needed")
+    clock = run_clock(start_epoch_s)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    records = [
+        RequestRecord(
+            index=spec.index,
+            scheduled_s=float(at),
+            adapter=spec.adapter,
+            input_tokens=spec.input_tokens,
+            expected_output_tokens=spec.output_tokens,
+            worker=worker,
+        )
+        for spec, at in zip(specs, times_s, strict=True)
+    ]
+
+    async def one(spec: RequestSpec, record: RequestRecord) -> None:
+        if slots is None:
+            await client.send(spec, record, clock)  # type: ignore[attr-defined]
+        else:
+            async with slots:
+                await client.send(spec, record, clock)  # type: ignore[attr-defined]
+        if on_done is not None:
+            on_done(record)
+
+    tasks = []
+    for spec, record in zip(specs, records, strict=True):
+        delay = record.scheduled_s - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        record.dispatched_s = clock()
+        tasks.append(asyncio.create_task(one(spec, record)))
+    await asyncio.gather(*tasks)
+    return records
+
+
+async def _run_in_loop(
+    specs: Sequence[RequestSpec],
+    times_s: Sequence[float],
+    options: ClientOptions,
+    max_concurrency: int | None,
+    worker: int,
+    on_done: Callable[[RequestRecord], None] | None,
+    start_epoch_s: float | None = None,
+    ready: Callable[[], float] | None = None,
+) -> list[RequestRecord]:
+    client = options.make_client()
+    await client.start()  # type: ignore[attr-defined]
+    try:
+        start = ready() if ready is not None else start_epoch_s
+        return await run_schedule(
+            specs,
+            times_s,
+            client,
+            start_epoch_s=float(start if start is not None else time.time() + _START_MARGIN_S),
+            max_concurrency=max_concurrency,
+            worker=worker,
+            on_done=on_done,
+        )
+    finally:
+        await client.close()  # type: ignore[attr-defined]
+
+
+def run(
+    specs: Sequence[RequestSpec],
+    times_s: Sequence[float],
+    options: ClientOptions,
+    *,
+    max_concurrency: int | None = None,
+    workers: int = 1,
+    lag_warning_ms: float = 50.0,
+    progress: Callable[[RequestRecord], None] | None = None,
+    emit: Callable[[str], None] = print,
+    on_start: Callable[[float], None] | None = None,
+) -> RunResult:
+    """Run the whole schedule in this process (workers=1) or in `workers` processes."""
+    if workers < 1:
+        raise InvalidArgumentError(f"workers must be >= 1, got {workers}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise InvalidArgumentError(f"max-concurrency must be >= 1, got {max_concurrency}")
+    monitor = LagMonitor(lag_warning_ms, emit)
+
+    def done(record: RequestRecord) -> None:
+        lag = None if record.dispatched_s is None else record.dispatched_s - record.scheduled_s
+        monitor.observe(record.index, lag)
+        if progress is not None:
+            progress(record)
+
+    if workers == 1:
+        start = time.time() + _START_MARGIN_S
+
+        def ready() -> float:
+            if on_start is not None:
+                on_start(start)
+            return start
+
+        records = asyncio.run(
+            _run_in_loop(specs, times_s, options, max_concurrency, 0, done, ready=ready)
+        )
+        return RunResult(sorted(records, key=lambda r: r.index), start, monitor.warnings)
+    return _run_processes(
+        specs, times_s, options, max_concurrency, workers, done, monitor, on_start
+    )
+
+
+def _run_processes(
+    specs: Sequence[RequestSpec],
+    times_s: Sequence[float],
+    options: ClientOptions,
+    max_concurrency: int | None,
+    workers: int,
+    done: Callable[[RequestRecord], None],
+    monitor: LagMonitor,
+    on_start: Callable[[float], None] | None,
+) -> RunResult:
+    context = multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    go = context.Event()
+    start_value = context.Value("d", 0.0)
+    # Each worker enforces its share of the concurrency cap.
+    share = None if max_concurrency is None else max(1, max_concurrency // workers)
+    processes = []
+    for worker in range(workers):
+        part = [
+            (spec, at)
+            for i, (spec, at) in enumerate(zip(specs, times_s, strict=True))
+            if i % workers == worker
+        ]
+        payload = json.dumps(
+            {"specs": [_spec_to_json(s) for s, _ in part], "times": [t for _, t in part]}
+        )
+        process = context.Process(
+            target=_worker_main,
+            args=(worker, payload, options, share, messages, go, start_value),
+            daemon=True,
+        )
+        process.start()
+        processes.append(process)
+    ready = 0
+    records: list[RequestRecord] = []
+    finished = 0
+    try:
+        while ready < workers:
+            kind, _, body = _next_message(messages, processes)
+            if kind == "ready":
+                ready += 1
+            elif kind == "failed":
+                raise UnavailableError(f"load generator failed to start: {body}")
+        start_value.value = time.time() + _START_MARGIN_S
+        if on_start is not None:
+            on_start(start_value.value)
+        go.set()
+        while finished < workers:
+            kind, worker, body = _next_message(messages, processes)
+            if kind == "done":
+                done(RequestRecord.from_json(json.loads(body)))
+            elif kind == "records":
+                records.extend(RequestRecord.from_json(r) for r in json.loads(body))
+                finished += 1
+            elif kind == "failed":
+                raise UnavailableError(f"load generator {worker} failed: {body}")
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+    records.sort(key=lambda r: r.index)
+    return RunResult(records, start_value.value, monitor.warnings)
+
+
+def _next_message(messages: multiprocessing.Queue, processes: list) -> tuple[str, int, str]:
+    while True:
+        try:
+            return messages.get(timeout=1.0)
+        except queue.Empty:
+            if not all(p.is_alive() for p in processes) and messages.empty():
+                raise UnavailableError("a load-generator process died") from None
+
+
+def _spec_to_json(spec: RequestSpec) -> dict:
+    return {
+        "index": spec.index,
+        "input_tokens": spec.input_tokens,
+        "output_tokens": spec.output_tokens,
+        "prompt_token_ids": list(spec.prompt_token_ids) if spec.prompt_token_ids else None,
+        "prompt_text": spec.prompt_text,
+        "adapter": spec.adapter,
+        "cancel_after_tokens": spec.cancel_after_tokens,
+    }
+
+
+def _spec_from_json(data: dict) -> RequestSpec:
+    ids = data.pop("prompt_token_ids")
+    return RequestSpec(prompt_token_ids=tuple(ids) if ids is not None else None, **data)
+
+
+def _worker_main(
+    worker: int,
+    payload: str,
+    options: ClientOptions,
+    max_concurrency: int | None,
+    messages: multiprocessing.Queue,
+    go: object,
+    start_value: object,
+) -> None:
+    """A load-generator process: its own event loop, client and share of the schedule."""
+    try:
+        data = json.loads(payload)
+        specs = [_spec_from_json(s) for s in data["specs"]]
+
+        def ready() -> float:
+            messages.put(("ready", worker, ""))
+            go.wait()  # type: ignore[attr-defined]
+            return start_value.value  # type: ignore[attr-defined]
+
+        def done(record: RequestRecord) -> None:
+            messages.put(
+                (
+                    "done",
+                    worker,
+                    json.dumps(
+                        record.to_json(with_chunks=False)
+                        | {
+                            "finished_s": record.finished_s,
+                        }
+                    ),
+                )
+            )
+
+        records = asyncio.run(
+            _run_in_loop(specs, data["times"], options, max_concurrency, worker, done, ready=ready)
+        )
+        body = json.dumps([r.to_json(with_chunks=True) for r in records])
+        messages.put(("records", worker, body))
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which raises
+        messages.put(("failed", worker, f"{type(error).__name__}: {error}"))

@@ -1,0 +1,114 @@
+"""Scrapes Prometheus `/metrics` endpoints (`--metrics-url`, repeatable) during a run.
+
+A background thread fetches each URL every `interval_s` and keeps the gauge and counter samples
+(histogram buckets are skipped: the harness measures latency itself). The report plots queue
+depth, running sequences and KV-cache use from these series beside the client-side latency.
+Scrape failures are counted, never fatal: a run is not lost because a metrics port is down.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+_KEPT_TYPES = ("gauge", "counter", "untyped", "unknown")
+
+
+@dataclass
+class Scrape:
+    """One fetch of one URL: wall time and `name{label="value",...}` → value."""
+
+    url: str
+    epoch_s: float
+    values: dict[str, float]
+
+
+@dataclass
+class ScrapeLog:
+    """Everything scraped during a run."""
+
+    scrapes: list[Scrape] = field(default_factory=list)
+    failures: int = 0
+
+    def series(self, name: str, start_epoch_s: float = 0.0) -> tuple[list[float], list[float]]:
+        """(times from start, values) of one metric summed over labels and URLs per scrape."""
+        times, values = [], []
+        for scrape in self.scrapes:
+            matching = [v for key, v in scrape.values.items() if key.split("{", 1)[0] == name]
+            if matching:
+                times.append(scrape.epoch_s - start_epoch_s)
+                values.append(sum(matching))
+        return times, values
+
+    def to_json(self, start_epoch_s: float) -> dict:
+        """The report's `server_metrics` section."""
+        return {
+            "failures": self.failures,
+            "scrapes": [
+                {"url": s.url, "t_s": s.epoch_s - start_epoch_s, "values": s.values}
+                for s in self.scrapes
+            ],
+        }
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Gauge and counter samples of a Prometheus text exposition."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type not in _KEPT_TYPES:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+    return values
+
+
+def scrape_once(url: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """Fetch and parse one endpoint (raises OSError/ValueError on failure)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - operator URL
+        return parse_metrics(response.read().decode("utf-8", errors="replace"))
+
+
+class Scraper:
+    """Polls URLs from a daemon thread between `start()` and `stop()`."""
+
+    def __init__(self, urls: list[str], interval_s: float = 0.5) -> None:
+        self._urls = list(urls)
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.log = ScrapeLog()
+
+    def start(self) -> None:
+        if self._urls:
+            self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> ScrapeLog:
+        """Stop polling (after one last scrape) and return what was gathered."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        return self.log
+
+    def _loop(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            began = time.monotonic()
+            for url in self._urls:
+                try:
+                    values = scrape_once(url)
+                except (OSError, ValueError, urllib.error.URLError):
+                    self.log.failures += 1
+                    continue
+                self.log.scrapes.append(Scrape(url, time.time(), values))
+            if stopping:
+                return
+            self._stop.wait(max(0.0, self._interval_s - (time.monotonic() - began)))

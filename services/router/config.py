@@ -1,0 +1,96 @@
+"""The router's configuration: one frozen, validated dataclass filled from flags, env, defaults.
+
+`RouterConfig.from_argv(argv)` is what `python -m services.router.server` and `sluice serve
+router` use; every field is a `--flag` and a `SLUICE_<FIELD>` variable (see common/config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.config import add_arguments, field, from_layers
+from services.common.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Where the router listens, whom it calls, and how much it queues."""
+
+    host: str = field("127.0.0.1", help="address to listen on")
+    port: int = field(50051, help="port to listen on (0 picks a free one)")
+    engines: tuple[str, ...] = field(
+        ("127.0.0.1:50061",), help="engine worker addresses, comma separated (host:port,...)"
+    )
+    tokenizer: str = field("127.0.0.1:50052", help="tokenizer service address (host:port)")
+    max_queued_requests: int = field(
+        1024, help="requests admitted but not yet on an engine; more are RESOURCE_EXHAUSTED"
+    )
+    max_queued_tokens: int = field(
+        1_048_576, help="prompt tokens of the queued requests; more are RESOURCE_EXHAUSTED"
+    )
+    max_inflight_per_engine: int = field(
+        0, help="requests placed on one engine at once (0: the engine's max_num_seqs)"
+    )
+    retry_after: float = field(
+        1.0, help="seconds suggested to a rejected client (retry-after trailer), at least"
+    )
+    grace: float = field(30.0, help="seconds in-flight requests may take to finish on SIGTERM")
+    api_keys_file: str | None = field(
+        None, help="file with one API key per line; unset means no authentication"
+    )
+    tokenize_timeout: float = field(10.0, help="seconds a Tokenize call may take")
+    reconnect_min_backoff: float = field(0.1, help="first reconnect delay to a lost service, s")
+    reconnect_max_backoff: float = field(5.0, help="longest reconnect delay to a lost service, s")
+    metrics_port: int | None = field(None, help="serve Prometheus /metrics on this port")
+    log_level: str = field("INFO", help="logging level")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
+        if isinstance(self.engines, str):
+            object.__setattr__(
+                self, "engines", tuple(e.strip() for e in self.engines.split(",") if e.strip())
+            )
+        object.__setattr__(self, "engines", tuple(self.engines))
+        if not self.engines:
+            raise InvalidArgumentError("at least one engine address is needed (--engines)")
+        for address in (*self.engines, self.tokenizer):
+            _check_address(address)
+        _positive_int("max_queued_requests", self.max_queued_requests)
+        _positive_int("max_queued_tokens", self.max_queued_tokens)
+        if self.max_inflight_per_engine < 0:
+            raise InvalidArgumentError("max_inflight_per_engine must be >= 0")
+        for name in ("retry_after", "grace", "tokenize_timeout"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value}")
+        if not 0 < self.reconnect_min_backoff <= self.reconnect_max_backoff:
+            raise InvalidArgumentError("need 0 < reconnect_min_backoff <= reconnect_max_backoff")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise InvalidArgumentError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str] | None = None) -> RouterConfig:
+        parser = argparse.ArgumentParser(
+            prog="sluice serve router", description="The public Sluice router service."
+        )
+        add_arguments(parser, cls)
+        return from_layers(cls, parser.parse_args(argv))
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_address(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(f"expected host:port, got {address!r}")

@@ -1,0 +1,318 @@
+"""The router's domain core: validate, admit, dispatch, and release requests.
+
+`RouterCore` ties the parts together without owning their logic: the `AdmissionQueue` bounds
+what waits, the `DispatchPolicy` places it on engines, the `EnginePool` streams it there, the
+`OutputStreamer` brings text back, and every request's resources (queue entry, engine slot,
+engine sequence, detokenizer state) are released exactly once in `end_request`. It runs on
+one asyncio loop; nothing here blocks. The servicer (server.py) only converts and awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from protos.sluice.v1 import router_pb2, tokenizer_pb2
+from services.common import metrics
+from services.common.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    SluiceError,
+    UnavailableError,
+)
+from services.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from services.router.admission import AdmissionQueue
+from services.router.auth import ApiKeyAuthenticator
+from services.router.config import RouterConfig
+from services.router.convert import sampling_params_from_pb, submit_pb, tokenize_item
+from services.router.discovery import EngineDiscovery, StaticDiscovery
+from services.router.dispatch import DispatchPolicy, LeastLoadedPolicy
+from services.router.engine_pool import EnginePool
+from services.router.request import RequestState, RouterRequest
+from services.router.streaming import OutputStreamer
+from services.router.tokenizer_client import TokenizerClient
+
+log = logging.getLogger(__name__)
+
+EXPIRY_SWEEP_INTERVAL_S = 0.005
+
+
+class RouterCore:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        discovery: EngineDiscovery | None = None,
+        policy: DispatchPolicy | None = None,
+        authenticator: ApiKeyAuthenticator | None = None,
+    ) -> None:
+        self.config = config
+        self.queue = AdmissionQueue(
+            config.max_queued_requests,
+            config.max_queued_tokens,
+            min_retry_after_s=config.retry_after,
+        )
+        self.policy = policy or LeastLoadedPolicy()
+        self.auth = authenticator or ApiKeyAuthenticator.from_file(config.api_keys_file)
+        self.running: dict[str, RouterRequest] = {}
+        self.active: set[RouterRequest] = set()
+        self.tokenizer = TokenizerClient(
+            config.tokenizer,
+            self._on_detokenized,
+            self._tokenizer_lost,
+            tokenize_timeout_s=config.tokenize_timeout,
+            min_backoff_s=config.reconnect_min_backoff,
+            max_backoff_s=config.reconnect_max_backoff,
+        )
+        self.tokenizer.ready_changed = self._readiness_changed
+        self.streamer = OutputStreamer(self.running, self.tokenizer, self)
+        self.pool = EnginePool(
+            discovery or StaticDiscovery(config.engines),
+            self.streamer.on_step,
+            self._engine_lost,
+            self._readiness_changed,
+            max_inflight=config.max_inflight_per_engine,
+            min_backoff_s=config.reconnect_min_backoff,
+            max_backoff_s=config.reconnect_max_backoff,
+        )
+        self.draining = False
+        self.on_readiness: Callable[[bool], None] | None = None
+        self._serving = False
+        self._ids = itertools.count(1)
+        self._id_prefix = f"{int(time.time() * 1000) % 10**8:x}-"
+        self._dispatch_scheduled = False
+        self._last_expiry_sweep = 0.0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.tokenizer.start()
+        await self.pool.refresh()
+
+    async def close(self) -> None:
+        for request in list(self.active):
+            self.end_request(request, UnavailableError("the router is shutting down"))
+        await self.pool.close()
+        await self.tokenizer.close()
+
+    @property
+    def serving(self) -> bool:
+        return not self.draining and self.tokenizer.ready and bool(self.pool.ready_connections())
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop admitting; wait up to `grace_s` for admitted requests. True when all finished."""
+        self.draining = True
+        self._readiness_changed()
+        log.info("draining: %d requests in flight, grace %.1fs", len(self.active), grace_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+            return True
+        except TimeoutError:
+            return False
+
+    # ---- admission ---------------------------------------------------------------------------
+    async def admit(
+        self,
+        message: router_pb2.GenerateRequest,
+        metadata: Iterable[tuple[str, str | bytes]] | None,
+        time_remaining: float | None,
+    ) -> RouterRequest:
+        """Validate, tokenize and queue one request, or raise the SluiceError for the caller."""
+        try:
+            return await self._admit(message, metadata, time_remaining)
+        except SluiceError as error:
+            metrics.ROUTER_REJECTED_REQUESTS.labels(reason=_reject_reason(error)).inc()
+            raise
+
+    async def _admit(
+        self,
+        message: router_pb2.GenerateRequest,
+        metadata: Iterable[tuple[str, str | bytes]] | None,
+        time_remaining: float | None,
+    ) -> RouterRequest:
+        arrival = time.monotonic()
+        self.auth.check(metadata)
+        self._check_open()
+        params = (
+            sampling_params_from_pb(message.params)
+            if message.HasField("params")
+            else SamplingParams()
+        )
+        if message.adapter and message.adapter not in self.known_adapters():
+            raise NotFoundError(f"unknown adapter {message.adapter!r}")
+        self.queue.check_room(0)  # reject at once, before the tokenizer round trip
+        deadline = None if time_remaining is None else arrival + time_remaining
+        engines = self.pool.capacities()
+        max_model_len = min(e.max_model_len for e in engines)
+        vocab_size = min(c.info.vocab_size for c in self.pool.ready_connections() if c.info)
+        if message.WhichOneof("input") == "prompt_token_ids":
+            prompt_ids = list(message.prompt_token_ids.ids)
+            validate_prompt_token_ids(prompt_ids, vocab_size)
+        else:
+            item = tokenize_item(message, max_model_len)
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                raise DeadlineExceededError("the deadline passed before tokenizing")
+            prompt_ids = await self.tokenizer.tokenize(item, timeout)
+        params.validate_for_model(len(prompt_ids), max_model_len, vocab_size)
+        self._check_open()
+        request = RouterRequest(
+            request_id=f"{self._id_prefix}{next(self._ids)}",
+            client_request_id=message.request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            adapter=message.adapter,
+            priority=message.priority,
+            deadline=deadline,
+            arrival=arrival,
+        )
+        if request.expired():
+            raise DeadlineExceededError("the deadline passed before the request was queued")
+        self.queue.admit(request)
+        self.active.add(request)
+        self._idle.clear()
+        metrics.ROUTER_ADMITTED_REQUESTS.inc()
+        self._update_queue_gauges()
+        self.schedule_dispatch()
+        return request
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise UnavailableError("the router is draining (shutting down); retry elsewhere")
+        if not self.tokenizer.ready:
+            raise UnavailableError("no tokenizer is ready")
+        if not self.pool.ready_connections():
+            raise UnavailableError("no engine is ready")
+
+    def known_adapters(self) -> set[str]:
+        adapters: set[str] = set()
+        for capacity in self.pool.capacities():
+            adapters.update(capacity.resident_adapters)
+        return adapters
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def schedule_dispatch(self) -> None:
+        if not self._dispatch_scheduled:
+            self._dispatch_scheduled = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._dispatch_scheduled = False
+        if not len(self.queue):
+            return
+        now = time.monotonic()
+        if now - self._last_expiry_sweep >= EXPIRY_SWEEP_INTERVAL_S:
+            self._last_expiry_sweep = now
+            for request in self.queue.drop_expired(now):
+                request.fail(DeadlineExceededError("the deadline passed while queued"))
+        for placement in self.policy.schedule(self.queue, self.pool.capacities()):
+            request = placement.request
+            connection = self.pool.get(placement.engine_id)
+            request.mark_running(placement.engine_id)
+            request.holds_engine_slot = True
+            self.running[request.request_id] = request
+            connection.submit(submit_pb(request))
+        self._update_queue_gauges()
+        metrics.ROUTER_RUNNING_REQUESTS.set(len(self.running))
+
+    def capacity_changed(self) -> None:
+        if len(self.queue):
+            self.schedule_dispatch()
+
+    # ---- release -----------------------------------------------------------------------------
+    def engine_finished(self, request: RouterRequest) -> None:
+        """The engine no longer holds the request: its slot is free."""
+        if request.holds_engine_slot:
+            request.holds_engine_slot = False
+            connection = self.pool.get(request.engine_id)
+            if connection is not None and connection.capacity.inflight > 0:
+                connection.capacity.inflight -= 1
+
+    def end_request(self, request: RouterRequest, error: SluiceError | None) -> None:
+        """Release everything the request holds; fail it with `error` if it is still open."""
+        if request.state is RequestState.QUEUED:
+            self.queue.remove(request)
+        self.running.pop(request.request_id, None)
+        if not request.engine_done and request.engine_id is not None:
+            request.engine_done = True
+            connection = self.pool.get(request.engine_id)
+            if connection is not None:
+                connection.abort(request.request_id)
+        self.engine_finished(request)
+        if request.detokenizer_open:
+            request.detokenizer_open = False
+            if self.tokenizer.ready:
+                self.tokenizer.send(
+                    tokenizer_pb2.DetokenizeRequest(
+                        updates=[
+                            tokenizer_pb2.DetokenizeUpdate(
+                                request_id=request.request_id, cancel=True
+                            )
+                        ],
+                        sequence_number=self.tokenizer.next_sequence_number(),
+                    )
+                )
+        if error is not None:
+            request.fail(error)
+        else:
+            request.close()
+        self.capacity_changed()
+
+    def release(self, request: RouterRequest) -> None:
+        """The servicer is done with the request (finished, failed, or the client left)."""
+        self.end_request(request, None)
+        self.active.discard(request)
+        if not self.active:
+            self._idle.set()
+        self._update_queue_gauges()
+        metrics.ROUTER_RUNNING_REQUESTS.set(len(self.running))
+
+    # ---- events from the connections ---------------------------------------------------------
+    def _on_detokenized(self, response: tokenizer_pb2.DetokenizeResponse) -> None:
+        self.streamer.on_detokenized(response)
+
+    def _engine_lost(self, engine_id: str) -> None:
+        lost = [r for r in self.running.values() if r.engine_id == engine_id]
+        log.warning("engine %s lost with %d requests in flight", engine_id, len(lost))
+        for request in lost:
+            request.engine_done = True
+            request.holds_engine_slot = False
+            self.end_request(request, UnavailableError(f"engine {engine_id} went away"))
+
+    def _tokenizer_lost(self) -> None:
+        self.streamer.forget_pending()
+        lost = list(self.running.values())
+        log.warning("tokenizer lost with %d requests in flight", len(lost))
+        for request in lost:
+            request.detokenizer_open = False
+            self.end_request(request, UnavailableError("the tokenizer went away"))
+
+    def _readiness_changed(self) -> None:
+        serving = self.serving
+        if serving != self._serving:
+            self._serving = serving
+            log.info("router %s", "SERVING" if serving else "NOT_SERVING")
+            if self.on_readiness is not None:
+                self.on_readiness(serving)
+        self.capacity_changed()
+
+    def _update_queue_gauges(self) -> None:
+        metrics.ROUTER_QUEUE_DEPTH_REQUESTS.set(len(self.queue))
+        metrics.ROUTER_QUEUE_DEPTH_TOKENS.set(self.queue.queued_tokens)
+
+
+def _reject_reason(error: SluiceError) -> str:
+    return {
+        "RESOURCE_EXHAUSTED": "queue_full",
+        "INVALID_ARGUMENT": "invalid",
+        "UNAUTHENTICATED": "unauthenticated",
+        "DEADLINE_EXCEEDED": "deadline",
+        "UNAVAILABLE": "unavailable",
+        "NOT_FOUND": "not_found",
+    }.get(error.code, "other")

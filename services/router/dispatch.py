@@ -1,0 +1,106 @@
+"""Dispatch: which queued request goes to which engine, and when. A policy behind an interface.
+
+The servicer admits requests into the `AdmissionQueue`; the engine pool streams them to
+engines; between the two a `DispatchPolicy` decides placement from each engine's reported
+capacity. `LeastLoadedPolicy` (issue 3) sends the next request in queue order to the engine with
+the most free capacity, and holds it in the router while no engine has room, so the queue bound,
+priorities and deadlines stay meaningful. The LoRA-aware batcher (next round) implements the
+same `schedule` with per-adapter queues, adapter residency and slot caps, without touching the
+servicer or the engine pool. Plain Python: no gRPC, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.router.admission import AdmissionQueue
+
+
+@dataclass
+class EngineCapacity:
+    """The router's view of one engine, refreshed from its Info and every step's load."""
+
+    engine_id: str
+    ready: bool = False
+    max_num_seqs: int = 0
+    max_model_len: int = 0
+    block_size: int = 16
+    total_blocks: int = 0
+    free_blocks: int = 0  # as last reported by the engine
+    reserved_blocks: int = 0  # promised to requests submitted since that report
+    inflight: int = 0  # requests placed here and not finished
+    max_inflight: int = 0  # 0: max_num_seqs
+    resident_adapters: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def slot_limit(self) -> int:
+        return self.max_inflight or self.max_num_seqs
+
+    @property
+    def free_slots(self) -> int:
+        return max(self.slot_limit - self.inflight, 0)
+
+    @property
+    def available_blocks(self) -> int:
+        return max(self.free_blocks - self.reserved_blocks, 0)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks a prompt of `num_tokens` needs for its prefill plus one generated token."""
+        return -(-(num_tokens + 1) // max(self.block_size, 1))
+
+    def can_accept(self, num_prompt_tokens: int) -> bool:
+        if not self.ready or self.free_slots <= 0:
+            return False
+        # An idle engine takes any request it could ever fit; the engine itself refuses a
+        # request that can never fit (RESOURCE_EXHAUSTED), so the router never waits forever.
+        if self.inflight == 0:
+            return True
+        return self.blocks_for(num_prompt_tokens) <= self.available_blocks
+
+    def score(self) -> float:
+        """Free capacity in [0, 1]: the tighter of free slots and free KV blocks."""
+        slots = self.free_slots / self.slot_limit if self.slot_limit else 0.0
+        blocks = self.available_blocks / self.total_blocks if self.total_blocks else 1.0
+        return min(slots, blocks)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Send `request` to engine `engine_id`."""
+
+    request: object
+    engine_id: str
+
+
+class DispatchPolicy(Protocol):
+    """Takes requests out of the queue and places them; called whenever anything changes."""
+
+    def schedule(self, queue: AdmissionQueue, engines: list[EngineCapacity]) -> list[Placement]: ...
+
+
+class LeastLoadedPolicy:
+    """Queue order, each request to the engine with the most free capacity that can take it.
+
+    The head of the queue is never overtaken: when no engine can take it, dispatch stops until
+    capacity frees up (a later, smaller request would otherwise starve a long one).
+    The policy updates the capacities it placed on (inflight, reserved blocks) so one call can
+    place many requests consistently.
+    """
+
+    def schedule(self, queue: AdmissionQueue, engines: list[EngineCapacity]) -> list[Placement]:
+        placements: list[Placement] = []
+        while True:
+            request = queue.peek()
+            if request is None:
+                break
+            prompt_tokens = request.num_prompt_tokens
+            candidates = [e for e in engines if e.can_accept(prompt_tokens)]
+            if not candidates:
+                break
+            best = max(candidates, key=lambda e: (e.score(), -e.inflight, e.engine_id))
+            queue.pop()
+            best.inflight += 1
+            best.reserved_blocks += best.blocks_for(prompt_tokens)
+            placements.append(Placement(request, best.engine_id))
+        return placements

@@ -1,0 +1,242 @@
+"""The engines the router feeds: one EngineSession stream per engine, its load, its requests.
+
+Each `EngineConnection` keeps one bidirectional `EngineSession` open. Submits and aborts are
+buffered and written as ONE `EngineRequest` per event-loop turn; the engine answers with one
+`EngineStep` per forward step for all its sequences, handed to `on_step`. The connection keeps
+the engine's `EngineCapacity` (from `Info` and every step's load) for the dispatch policy.
+When the stream breaks, `on_lost(engine_id)` lets the router fail that engine's requests with
+UNAVAILABLE at once, and the connection retries with exponential backoff.
+`EnginePool` owns the connections and follows the discovery source's address list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
+from services.common.errors import UnavailableError
+from services.router.discovery import EngineDiscovery
+from services.router.dispatch import EngineCapacity
+
+log = logging.getLogger(__name__)
+
+StepHandler = Callable[[str, engine_pb2.EngineStep], None]
+LostHandler = Callable[[str], None]
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+class EngineConnection:
+    """One engine: its session stream, the router's view of its capacity, its outbox."""
+
+    def __init__(
+        self,
+        address: str,
+        on_step: StepHandler,
+        on_lost: LostHandler,
+        on_ready: Callable[[], None],
+        *,
+        max_inflight: int = 0,
+        min_backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.engine_id = address
+        self.address = address
+        self.capacity = EngineCapacity(engine_id=address, max_inflight=max_inflight)
+        self.info: engine_pb2.EngineInfo | None = None
+        self._on_step = on_step
+        self._on_lost = on_lost
+        self._on_ready = on_ready
+        self._min_backoff_s = min_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._submits: list[engine_pb2.SubmitRequest] = []
+        self._aborts: list[str] = []
+        self._outbox_ready = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.capacity.ready
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"engine-session-{self.address}"
+        )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self._channel.close()
+
+    def submit(self, submit: engine_pb2.SubmitRequest) -> None:
+        if not self.capacity.ready:
+            raise UnavailableError(f"engine {self.address} is not connected")
+        self._submits.append(submit)
+        self._outbox_ready.set()
+
+    def abort(self, request_id: str) -> None:
+        if not self.capacity.ready:
+            return  # the engine aborts everything of a dropped session itself
+        self._aborts.append(request_id)
+        self._outbox_ready.set()
+
+    async def _run(self) -> None:
+        backoff = self._min_backoff_s
+        while True:
+            try:
+                info = await self._stub.Info(engine_pb2.EngineInfoRequest(), timeout=5)
+                call = self._stub.EngineSession()
+                self._connected(info)
+                backoff = self._min_backoff_s
+                writer = asyncio.get_running_loop().create_task(self._write(call))
+                try:
+                    await self._read(call)
+                finally:
+                    writer.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await writer
+                    call.cancel()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure means reconnect
+                log.warning("engine %s unavailable: %s", self.address, _describe(exc))
+            if self.capacity.ready:
+                self.capacity.ready = False
+                self._submits.clear()
+                self._aborts.clear()
+                self._on_lost(self.engine_id)
+                self._on_ready()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._max_backoff_s)
+
+    def _connected(self, info: engine_pb2.EngineInfo) -> None:
+        self.info = info
+        capacity = self.capacity
+        capacity.max_num_seqs = info.max_num_seqs or 1
+        capacity.max_model_len = info.max_model_len
+        capacity.block_size = info.block_size or 16
+        capacity.total_blocks = info.num_blocks
+        capacity.free_blocks = info.load.free_blocks if info.HasField("load") else info.num_blocks
+        capacity.reserved_blocks = 0
+        capacity.inflight = 0
+        capacity.resident_adapters = tuple(info.load.resident_adapters)
+        self._submits.clear()
+        self._aborts.clear()
+        capacity.ready = True
+        log.info(
+            "engine %s ready: model=%s max_model_len=%d blocks=%d max_num_seqs=%d",
+            self.address,
+            info.model,
+            info.max_model_len,
+            info.num_blocks,
+            info.max_num_seqs,
+        )
+        self._on_ready()
+
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            if not self._submits and not self._aborts:
+                continue
+            message = engine_pb2.EngineRequest(submits=self._submits, aborts=self._aborts)
+            self._submits = []
+            self._aborts = []
+            await call.write(message)
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        on_step = self._on_step
+        capacity = self.capacity
+        engine_id = self.engine_id
+        while True:
+            step = await call.read()
+            if step is grpc.aio.EOF:
+                raise UnavailableError("engine session closed by the engine")
+            load = step.load
+            capacity.free_blocks = load.free_blocks
+            if load.total_blocks:
+                capacity.total_blocks = load.total_blocks
+            capacity.reserved_blocks = 0
+            if load.resident_adapters:
+                capacity.resident_adapters = tuple(load.resident_adapters)
+            on_step(engine_id, step)
+
+
+class EnginePool:
+    """All engine connections, following the discovery source."""
+
+    def __init__(
+        self,
+        discovery: EngineDiscovery,
+        on_step: StepHandler,
+        on_lost: LostHandler,
+        on_ready: Callable[[], None],
+        *,
+        max_inflight: int = 0,
+        min_backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self._discovery = discovery
+        self._on_step = on_step
+        self._on_lost = on_lost
+        self._on_ready = on_ready
+        self._max_inflight = max_inflight
+        self._min_backoff_s = min_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self.connections: dict[str, EngineConnection] = {}
+
+    async def refresh(self) -> None:
+        """Connect to new addresses and drop vanished ones."""
+        wanted = set(await self._discovery.addresses())
+        for address in list(self.connections):
+            if address not in wanted:
+                connection = self.connections.pop(address)
+                if connection.ready:
+                    connection.capacity.ready = False
+                    self._on_lost(address)
+                await connection.close()
+        for address in wanted:
+            if address not in self.connections:
+                connection = EngineConnection(
+                    address,
+                    self._on_step,
+                    self._on_lost,
+                    self._on_ready,
+                    max_inflight=self._max_inflight,
+                    min_backoff_s=self._min_backoff_s,
+                    max_backoff_s=self._max_backoff_s,
+                )
+                self.connections[address] = connection
+                connection.start()
+
+    def capacities(self) -> list[EngineCapacity]:
+        return [c.capacity for c in self.connections.values() if c.capacity.ready]
+
+    def ready_connections(self) -> list[EngineConnection]:
+        return [c for c in self.connections.values() if c.ready]
+
+    def get(self, engine_id: str | None) -> EngineConnection | None:
+        return self.connections.get(engine_id) if engine_id else None
+
+    async def close(self) -> None:
+        for connection in list(self.connections.values()):
+            await connection.close()
+        self.connections.clear()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

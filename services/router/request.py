@@ -1,0 +1,176 @@
+"""One request's life inside the router: state machine, deadline, and its own output channel.
+
+States: QUEUED (admitted, waiting for an engine) → RUNNING (submitted to an engine) →
+FINISHED (the last response is in the channel, or an error). Any state may go to FINISHED;
+nothing leaves FINISHED. The servicer awaits only this request's channel; the engine pool and
+detokenizer push into it from their reader tasks, so no servicer ever waits on another request.
+
+The channel is a list plus one future (cheaper than asyncio.Queue on the per-token path). When
+the client reads slower than engine steps arrive, pending pieces are merged into one response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.common.errors import SluiceError
+from services.engine.sampling_params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ALLOWED = {
+    RequestState.QUEUED: {RequestState.RUNNING, RequestState.FINISHED},
+    RequestState.RUNNING: {RequestState.FINISHED},
+    RequestState.FINISHED: set(),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A bug: the router tried to move a request along an edge the state machine lacks."""
+
+
+@dataclass
+class OutputPiece:
+    """What one engine step (or several merged) produced for this request."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # protobuf TokenLogprob messages
+    finish_reason: int = 0  # sluice.v1.FinishReason value; 0 while running
+    matched_stop: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(eq=False)
+class RouterRequest:
+    """A request admitted by the router. `request_id` is the router's own unique id."""
+
+    request_id: str
+    client_request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str = ""
+    priority: int = 0
+    deadline: float | None = None  # time.monotonic() seconds
+    arrival: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.QUEUED
+    engine_id: str | None = None
+    completion_tokens: int = 0
+    # Where the request's resources live, so cleanup releases each exactly once.
+    holds_engine_slot: bool = False  # counted in its engine's inflight
+    engine_done: bool = False  # the engine has finished or dropped it (no abort needed)
+    detokenizer_open: bool = False  # the detokenizer holds state for it
+    _pieces: list[OutputPiece] = field(default_factory=list)
+    _error: SluiceError | None = None
+    _waiter: asyncio.Future | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def expired(self, now: float | None = None) -> bool:
+        if self.deadline is None:
+            return False
+        return (time.monotonic() if now is None else now) >= self.deadline
+
+    def remaining(self, now: float | None = None) -> float | None:
+        if self.deadline is None:
+            return None
+        return self.deadline - (time.monotonic() if now is None else now)
+
+    def transition(self, new_state: RequestState) -> None:
+        if new_state not in _ALLOWED[self.state]:
+            raise IllegalTransitionError(
+                f"request {self.request_id}: {self.state.value} -> {new_state.value}"
+            )
+        self.state = new_state
+
+    def mark_running(self, engine_id: str) -> None:
+        self.transition(RequestState.RUNNING)
+        self.engine_id = engine_id
+
+    # ---- producers (engine pool / detokenizer reader tasks) ----------------------------------
+    def push(self, piece: OutputPiece) -> None:
+        """Add a piece; a piece with a finish reason ends the request."""
+        if self.finished:
+            return
+        self.completion_tokens += len(piece.token_ids)
+        if piece.finish_reason:
+            self.state = RequestState.FINISHED
+        self._pieces.append(piece)
+        self._wake()
+
+    def fail(self, error: SluiceError) -> bool:
+        """End the request with an error; False when it had already finished."""
+        if self.finished:
+            return False
+        self.state = RequestState.FINISHED
+        self._error = error
+        self._wake()
+        return True
+
+    def close(self) -> None:
+        """End the request without a further piece (cancelled: nobody reads it any more)."""
+        if not self.finished:
+            self.state = RequestState.FINISHED
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # ---- consumer (the servicer) ------------------------------------------------------------
+    async def next_piece(self, timeout: float | None = None) -> OutputPiece | None:
+        """The next output (merged if several are pending); None once everything was read.
+
+        Raises the request's error once its pieces before it are read, and TimeoutError when
+        `timeout` passes with nothing new.
+        """
+        while not self._pieces:
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                if timeout is None:
+                    await self._waiter
+                else:
+                    await asyncio.wait_for(self._waiter, timeout)
+            finally:
+                self._waiter = None
+        pieces = self._pieces
+        self._pieces = []
+        return pieces[0] if len(pieces) == 1 else merge_pieces(pieces)
+
+
+def merge_pieces(pieces: list[OutputPiece]) -> OutputPiece:
+    """One piece carrying several in order: text and tokens concatenated, the last's ending."""
+    last = pieces[-1]
+    merged = OutputPiece(
+        text="".join(p.text for p in pieces),
+        finish_reason=last.finish_reason,
+        matched_stop=last.matched_stop,
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        cached_prompt_tokens=last.cached_prompt_tokens,
+    )
+    for piece in pieces:
+        merged.token_ids.extend(piece.token_ids)
+        merged.logprobs.extend(piece.logprobs)
+    return merged

@@ -1,0 +1,144 @@
+"""The public Router gRPC service: a thin servicer over `RouterCore`, and the process entry.
+
+`python -m services.router.server --port 50051 --engines 127.0.0.1:50061 --tokenizer
+127.0.0.1:50052` (or `sluice serve router ...`). Health is NOT_SERVING until a tokenizer and an
+engine are connected. SIGTERM (or SIGINT) drains: new calls get UNAVAILABLE, in-flight requests
+get up to `--grace` seconds to finish, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from protos.sluice.v1 import router_pb2, router_pb2_grpc
+from services.common import metrics
+from services.common.config import describe
+from services.common.errors import DeadlineExceededError, SluiceError
+from services.common.grpc_server import start_server
+from services.router.config import RouterConfig
+from services.router.convert import response_pb
+from services.router.core import RouterCore
+
+log = logging.getLogger("services.router")
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Converts protobuf to the core's calls and streams the request's own channel back."""
+
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        routed = await self.core.admit(
+            request, context.invocation_metadata(), context.time_remaining()
+        )
+        client_id = request.request_id or routed.request_id
+        status = "CANCELLED"
+        first_token_at: float | None = None
+        try:
+            while True:
+                try:
+                    piece = await routed.next_piece(routed.remaining())
+                except TimeoutError:
+                    status = "DEADLINE_EXCEEDED"
+                    raise DeadlineExceededError("the deadline passed while generating") from None
+                if piece is None:
+                    status = "OK"
+                    return
+                if first_token_at is None and piece.token_ids:
+                    first_token_at = time.monotonic()
+                    metrics.ROUTER_TIME_TO_FIRST_TOKEN.observe(first_token_at - routed.arrival)
+                yield response_pb(piece, client_id)
+                if piece.finish_reason:
+                    status = "OK"
+                    metrics.ROUTER_END_TO_END_LATENCY.observe(time.monotonic() - routed.arrival)
+                    return
+        except SluiceError as error:
+            status = error.code
+            raise
+        finally:
+            self.core.release(routed)
+            metrics.ROUTER_FINISHED_REQUESTS.labels(status=status).inc()
+
+    async def ListModels(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
+        self.core.auth.check(context.invocation_metadata())
+        response = router_pb2.ListModelsResponse()
+        connections = self.core.pool.ready_connections()
+        if not connections:
+            return response
+        info = connections[0].info
+        model = response.models.add(
+            name=info.model,
+            context_length=min(c.info.max_model_len for c in connections),
+            vocab_size=info.vocab_size,
+        )
+        for name in sorted(self.core.known_adapters()):
+            model.adapters.add(name=name)
+        return response
+
+
+async def serve(config: RouterConfig, *, stop: asyncio.Event | None = None) -> int:
+    """Run the router until SIGTERM/SIGINT (or `stop` is set), drain, and return 0."""
+    core = RouterCore(config)
+    servicer = RouterServicer(core)
+    server = await start_server(
+        config.address,
+        lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+    )
+    loop = asyncio.get_running_loop()
+    pending_health: set[asyncio.Task] = set()
+
+    def on_readiness(serving: bool) -> None:
+        task = loop.create_task(server.set_serving(serving))
+        pending_health.add(task)
+        task.add_done_callback(pending_health.discard)
+
+    core.on_readiness = on_readiness
+    metrics.start_metrics_server(config.metrics_port)
+    await core.start()
+    stop = stop or asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signum, stop.set)
+    print(f"router listening on {config.host}:{server.port}", flush=True)
+    await stop.wait()
+    log.info("shutting down")
+    drained = await core.drain(config.grace)
+    if not drained:
+        log.warning("grace period over with %d requests still in flight", len(core.active))
+    await server.stop(0.5)
+    await core.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = RouterConfig.from_argv(argv)
+    except SluiceError as error:
+        print(f"error: {error.message}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    log.info("%s", describe(config))
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The per-token path: engine steps → one detokenize message → each request's channel.
+
+For every `EngineStep` (all sequences of one engine, one forward step) the streamer sends ONE
+`DetokenizeRequest` carrying every live request's new token ids, and remembers which tokens,
+logprobs and finish reasons went with it. The matching `DetokenizeResponse` (paired by
+sequence number) turns into one `OutputPiece` per request, pushed into that request's own
+channel. A stop-string hit ends the request (FINISH_REASON_STOP_STRING) and aborts it on the
+engine. Resource release (engine slot, engine abort, detokenizer cancel) goes through
+`RequestReleaser`, which the router core implements.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from protos.sluice.v1 import common_pb2, engine_pb2, tokenizer_pb2
+from services.common.errors import SluiceError
+from services.router.convert import detokenize_options
+from services.router.request import OutputPiece, RouterRequest
+from services.router.tokenizer_client import TokenizerClient, error_from_item
+
+STOP_STRING = common_pb2.FINISH_REASON_STOP_STRING
+
+
+class RequestReleaser(Protocol):
+    def engine_finished(self, request: RouterRequest) -> None:
+        """The engine is done with the request: give its slot back."""
+
+    def end_request(self, request: RouterRequest, error: SluiceError | None) -> None:
+        """Finish a request early: abort on the engine, cancel detokenizer state, fail it."""
+
+    def capacity_changed(self) -> None:
+        """Engine load changed: try to dispatch."""
+
+
+class OutputStreamer:
+    """Pairs engine steps with detokenizer responses; see the module docstring."""
+
+    def __init__(
+        self,
+        running: dict[str, RouterRequest],
+        tokenizer: TokenizerClient,
+        releaser: RequestReleaser,
+    ) -> None:
+        self._running = running
+        self._tokenizer = tokenizer
+        self._releaser = releaser
+        # sequence number -> [(request, token ids, logprobs, finish reason, usage)]
+        self._pending: dict[int, list[tuple]] = {}
+
+    def on_step(self, engine_id: str, step: engine_pb2.EngineStep) -> None:
+        running = self._running
+        message = tokenizer_pb2.DetokenizeRequest()
+        record: list[tuple] = []
+        for update in step.updates:
+            request = running.get(update.request_id)
+            if request is None or request.finished or request.engine_done:
+                continue
+            if update.HasField("error") and update.error.code:
+                request.engine_done = True
+                self._releaser.engine_finished(request)
+                error = error_from_item(update.error.code, update.error.message)
+                self._releaser.end_request(request, error)
+                continue
+            finish_reason = update.finish_reason
+            item = message.updates.add(
+                request_id=update.request_id,
+                token_ids=update.token_ids,
+                finished=bool(finish_reason),
+            )
+            if not request.detokenizer_open:
+                item.options.CopyFrom(detokenize_options(request))
+                request.detokenizer_open = True
+            if finish_reason:
+                request.engine_done = True
+                self._releaser.engine_finished(request)
+            record.append((request, update.token_ids, update.logprobs, finish_reason, update.usage))
+        if record:
+            message.sequence_number = self._tokenizer.next_sequence_number()
+            self._pending[message.sequence_number] = record
+            self._tokenizer.send(message)
+        self._releaser.capacity_changed()
+
+    def on_detokenized(self, response: tokenizer_pb2.DetokenizeResponse) -> None:
+        record = self._pending.pop(response.sequence_number, None)
+        if record is None:
+            return
+        deltas = {delta.request_id: delta for delta in response.deltas}
+        for request, token_ids, logprobs, finish_reason, usage in record:
+            if request.finished:
+                continue
+            delta = deltas.get(request.request_id)
+            if finish_reason:
+                request.detokenizer_open = False  # told `finished`: it freed the state
+            piece = OutputPiece(token_ids=list(token_ids), logprobs=list(logprobs))
+            if delta is not None:
+                if delta.HasField("error") and delta.error.code:
+                    if delta.closed:
+                        request.detokenizer_open = False
+                    error = error_from_item(delta.error.code, delta.error.message)
+                    self._releaser.end_request(request, error)
+                    continue
+                piece.text = delta.text
+                if delta.closed:
+                    request.detokenizer_open = False
+                if delta.stop_hit:
+                    finish_reason = STOP_STRING
+                    piece.matched_stop = delta.matched_stop
+            if finish_reason:
+                piece.finish_reason = finish_reason
+                piece.prompt_tokens = usage.prompt_tokens or request.num_prompt_tokens
+                piece.completion_tokens = request.completion_tokens + len(token_ids)
+                piece.cached_prompt_tokens = usage.cached_prompt_tokens
+                request.push(piece)
+                # Stop string: the engine may still be generating; free everything now.
+                self._releaser.end_request(request, None)
+            else:
+                request.push(piece)
+
+    def forget_pending(self) -> None:
+        """The detokenize session dropped: its unanswered steps will never come back."""
+        self._pending.clear()

@@ -1,5 +1,224 @@
-"""The `sluice` command."""
+"""The `sluice` command: generate, up, serve router|tokenizer|engine, bench.
+
+Subcommands import their modules only when they run, so `sluice --help` stays fast (no torch,
+no gRPC). `serve` and `bench` hand the rest of the command line to the service's own parser.
+
+    sluice up                          # tokenizer + engine + router on 127.0.0.1:50051
+    sluice generate "Hello"            # streams the answer from the router
+    sluice generate --chat "What is the capital of France?"
+    sluice serve engine --model dummy:tiny --port 50061
+    sluice bench ...                   # the load-test harness (loadtest/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+from collections.abc import Sequence
+
+SERVICES = {
+    "router": "services.router.server",
+    "tokenizer": "services.tokenizer.server",
+    "engine": "services.engine.server",
+}
 
 
-def main() -> None:
-    raise SystemExit("sluice: not built yet")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice", description="Sluice: serve Llama-family models over gRPC."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_generate(commands)
+    _add_up(commands)
+    serve = commands.add_parser(
+        "serve",
+        help="run one service (router, tokenizer or engine) as a container would",
+        description="Run one service; `sluice serve <service> --help` lists its flags.",
+    )
+    serve.add_argument("service", choices=sorted(SERVICES), help="which service to run")
+    serve.add_argument("service_args", nargs=argparse.REMAINDER, help="the service's own flags")
+    bench = commands.add_parser(
+        "bench", help="the load-test harness (see `sluice bench --help`)", add_help=False
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    generate = commands.add_parser(
+        "generate",
+        help="stream an answer from a running router",
+        description="Stream generated text to stdout. Values are sent as given; the server "
+        "validates them. On error prints `error: <STATUS>: <message>` and exits 1.",
+    )
+    generate.add_argument("prompt", help="the prompt (or the user turn with --chat)")
+    generate.add_argument(
+        "--target",
+        default="127.0.0.1:50051",
+        help="router address host:port (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user chat turn (chat template)"
+    )
+    generate.add_argument("--system", help="a system turn before the user turn (with --chat)")
+    generate.add_argument("--max-tokens", type=int, help="most tokens to generate (server: 16)")
+    generate.add_argument("--min-tokens", type=int, help="fewest tokens before EOS may stop")
+    generate.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
+    generate.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    generate.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    generate.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    generate.add_argument(
+        "--stop", action="append", help="stop string (repeatable); output is cut before it"
+    )
+    generate.add_argument("--adapter", help="LoRA adapter name")
+    generate.add_argument("--api-key", help="API key, when the router requires one")
+    generate.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+
+
+def _add_up(commands: argparse._SubParsersAction) -> None:
+    up = commands.add_parser(
+        "up",
+        help="run the whole stack on this machine until Ctrl-C",
+        description="Start tokenizer, engine(s) and router as separate processes on loopback, "
+        "print the router address when ready, stop all cleanly on Ctrl-C/SIGTERM. Unknown "
+        "flags are passed to the router (e.g. --grace, --retry-after).",
+    )
+    up.add_argument("--port", type=int, default=50051, help="router port (default: %(default)s)")
+    up.add_argument("--host", default="127.0.0.1", help="router address (default: %(default)s)")
+    up.add_argument("--model", help="HF dir, .gguf file or dummy:<shape> (default: SmolLM2-135M)")
+    up.add_argument("--engines", type=int, default=1, help="engine workers (default: 1)")
+    up.add_argument("--api-keys-file", help="router: file with one API key per line")
+    up.add_argument("--max-queued-requests", type=int, help="router: queue bound (requests)")
+    up.add_argument("--max-queued-tokens", type=int, help="router: queue bound (prompt tokens)")
+    up.add_argument("--kv-cache-bytes", type=int, help="engines: bytes of KV cache each")
+    up.add_argument("--max-num-seqs", type=int, help="engines: most sequences per step")
+    up.add_argument("--device", help="engines: cpu, cuda, cuda:N or auto")
+    up.add_argument("--backend", help="engines: forward backend (torch, ...)")
+    up.add_argument("--engine-args", default="", help="more engine flags, as one quoted string")
+    up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait")
+    up.add_argument("--stop-grace", type=float, default=30.0, help="seconds before SIGKILL")
+
+
+def _flag_pairs(namespace: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    argv: list[str] = []
+    for name in names:
+        value = getattr(namespace, name)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
+def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> int:
+    from services.common.errors import SluiceError
+    from services.launcher import Stack, StackConfig
+
+    router_args = _flag_pairs(
+        namespace, ("api_keys_file", "max_queued_requests", "max_queued_tokens")
+    )
+    engine_args = _flag_pairs(namespace, ("kv_cache_bytes", "max_num_seqs", "device", "backend"))
+    try:
+        config = StackConfig(
+            model=namespace.model,
+            host=namespace.host,
+            port=namespace.port,
+            engines=namespace.engines,
+            router_args=(*router_args, *extra_router_args),
+            engine_args=(*engine_args, *shlex.split(namespace.engine_args)),
+            startup_timeout_s=namespace.startup_timeout,
+            stop_grace_s=namespace.stop_grace,
+        )
+        stack = Stack(config)
+        print("sluice: starting tokenizer, engine(s) and router ...", file=sys.stderr, flush=True)
+        stack.start()
+    except SluiceError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"Sluice router ready at {stack.router_address}", flush=True)
+    return stack.run_until_signal(lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def run_generate(namespace: argparse.Namespace) -> int:
+    import grpc
+
+    from services.client import SluiceClient
+
+    request: dict = {
+        "max_tokens": namespace.max_tokens,
+        "min_tokens": namespace.min_tokens,
+        "temperature": namespace.temperature,
+        "top_p": namespace.top_p,
+        "top_k": namespace.top_k,
+        "seed": namespace.seed,
+        "stop": namespace.stop,
+        "adapter": namespace.adapter,
+        "timeout": namespace.timeout,
+    }
+    if namespace.chat:
+        turns = [("system", namespace.system)] if namespace.system else []
+        request["chat"] = [*turns, ("user", namespace.prompt)]
+    else:
+        request["prompt"] = namespace.prompt
+    try:
+        with SluiceClient(namespace.target, api_key=namespace.api_key) as client:
+            for response in client.generate(**request):
+                if response.text:
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
+    except grpc.RpcError as error:
+        sys.stdout.flush()
+        print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    except (TypeError, ValueError) as error:  # e.g. a value protobuf cannot hold
+        print(f"error: INVALID_ARGUMENT: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    sys.stdout.write("\n")
+    return 0
+
+
+def run_serve(service: str, argv: Sequence[str]) -> int:
+    module = importlib.import_module(SERVICES[service])
+    result = module.main(list(argv))
+    return int(result or 0)
+
+
+def run_bench(argv: Sequence[str]) -> int:
+    from loadtest.cli import main as bench_main
+
+    result = bench_main(list(argv))
+    return int(result or 0)
+
+
+def dispatch(argv: Sequence[str]) -> int:
+    """Run one `sluice` command line; returns the exit code."""
+    argv = list(argv)
+    # serve/bench hand everything after them to the service's own parser (including --help).
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICES:
+        return run_serve(argv[1], argv[2:])
+    if argv and argv[0] == "bench":
+        return run_bench(argv[1:])
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    if namespace.command == "bench":
+        return run_bench([*namespace.bench_args, *unknown])
+    if namespace.command == "serve":
+        return run_serve(namespace.service, [*namespace.service_args, *unknown])
+    if namespace.command == "up":
+        return run_up(namespace, unknown)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return run_generate(namespace)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point (`sluice`)."""
+    raise SystemExit(dispatch(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

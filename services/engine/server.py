@@ -1,0 +1,399 @@
+"""The engine worker's gRPC service: EngineSession (bidirectional, batched) and Info.
+
+A thin servicer: it converts protobuf to domain objects, hands them to the `EngineLoop` (the
+thread that owns the LLMEngine) and fans the loop's outputs back out to sessions. The asyncio
+loop never waits on a forward step.
+
+- One EngineSession stream per router. Request ids are namespaced per session internally
+  (`<session>/<id>`), so two routers can use the same ids. A submit whose parameters are bad is
+  answered with a SequenceUpdate carrying an ItemError for that request only.
+- Every loop output becomes at most one EngineStep per session (only that session's updates,
+  plus the load). A session with no updates still gets a load-only EngineStep when the engine is
+  idle, at most every `load_report_interval_s`.
+- When a session ends (router gone, or it half-closes and its requests are done), all its live
+  requests are aborted, so their KV blocks are freed.
+- Health is NOT_SERVING until the model is loaded.
+
+Run standalone: `sluice serve engine --model ... --port ...` or `python -m services.engine.server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common import metrics
+from services.common.config import describe
+from services.common.errors import SluiceError, UnavailableError
+from services.common.grpc_server import start_server
+from services.engine.engine_loop import EngineLoop, LoopOutput, Rejection, Submit
+from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta
+from services.engine.sampling_params import SamplingParams
+from services.engine.worker_config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "sluice.v1.Engine"
+_SEPARATOR = "/"
+
+FINISH_REASONS_PB = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP_STRING: common_pb2.FINISH_REASON_STOP_STRING,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
+_PLAIN_PARAMS = (
+    "min_tokens",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "include_stop_str_in_output",
+    "ignore_eos",
+)
+
+
+def sampling_params_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults; raises InvalidArgumentError."""
+    values: dict[str, Any] = {name: getattr(message, name) for name in _PLAIN_PARAMS}
+    for name in _OPTIONAL_PARAMS:
+        if message.HasField(name):
+            values[name] = getattr(message, name)
+    values["stop"] = tuple(message.stop)
+    values["stop_token_ids"] = tuple(message.stop_token_ids)
+    return SamplingParams(**values)
+
+
+def load_to_pb(load: EngineLoad) -> engine_pb2.EngineLoad:
+    return engine_pb2.EngineLoad(
+        free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks,
+        running=load.running,
+        waiting=load.waiting,
+        resident_adapters=list(load.resident_adapters),
+    )
+
+
+def update_to_pb(request_id: str, delta: SequenceDelta) -> engine_pb2.SequenceUpdate:
+    update = engine_pb2.SequenceUpdate(
+        request_id=request_id,
+        token_ids=delta.new_token_ids,
+        usage=common_pb2.Usage(
+            prompt_tokens=delta.num_prompt_tokens,
+            completion_tokens=delta.num_output_tokens,
+            cached_prompt_tokens=delta.num_cached_prompt_tokens,
+        ),
+    )
+    if delta.logprobs:
+        update.logprobs.extend(
+            common_pb2.TokenLogprob(
+                token_id=item.token_id,
+                logprob=item.logprob,
+                top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in item.top],
+            )
+            for item in delta.logprobs
+        )
+    if delta.finished or delta.finish_reason is not None:
+        reason = delta.finish_reason or FinishReason.STOP
+        update.finish_reason = FINISH_REASONS_PB[reason]
+    if delta.error:
+        update.error.code = "INTERNAL"
+        update.error.message = delta.error
+    return update
+
+
+def rejection_to_pb(request_id: str, rejection: Rejection) -> engine_pb2.SequenceUpdate:
+    return engine_pb2.SequenceUpdate(
+        request_id=request_id,
+        finish_reason=common_pb2.FINISH_REASON_ERROR,
+        error=common_pb2.ItemError(code=rejection.code, message=rejection.message),
+    )
+
+
+@dataclass
+class _Session:
+    """One router's stream: its live request ids and its outbound queue."""
+
+    key: str
+    outbox: asyncio.Queue[engine_pb2.EngineStep | None] = field(default_factory=asyncio.Queue)
+    live: set[str] = field(default_factory=set)  # ids as the router sent them
+    input_closed: bool = False
+    last_sent: float = 0.0
+
+    def internal_id(self, request_id: str) -> str:
+        return f"{self.key}{_SEPARATOR}{request_id}"
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    """Engine gRPC service over an EngineLoop (see the module docstring)."""
+
+    def __init__(self, *, load_report_interval_s: float = 1.0) -> None:
+        self.engine_id = uuid.uuid4().hex[:12]
+        self._interval = load_report_interval_s
+        self._loop_thread: EngineLoop | None = None
+        self._info: Any = None
+        self._sessions: dict[str, _Session] = {}
+        self._session_numbers = itertools.count(1)
+        self._load: EngineLoad | None = None
+        self._step_index = 0
+        self._asyncio_loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- wiring ---------------------------------------------------------------------------
+    def attach(self, engine: Any, asyncio_loop: asyncio.AbstractEventLoop) -> EngineLoop:
+        """Start serving `engine` (an LLMEngine); outputs come back on `asyncio_loop`."""
+        self._asyncio_loop = asyncio_loop
+        self._info = engine.info
+        engine_loop = EngineLoop(
+            engine, self._from_engine_thread, load_report_interval_s=self._interval
+        )
+        self._load = engine_loop.initial_load
+        self._loop_thread = engine_loop
+        engine_loop.start()
+        return engine_loop
+
+    def _from_engine_thread(self, output: LoopOutput) -> None:
+        _record_metrics(output)
+        loop = self._asyncio_loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._dispatch, output)
+
+    def _ready(self) -> EngineLoop:
+        if self._loop_thread is None:
+            raise UnavailableError("the engine is still loading its model")
+        return self._loop_thread
+
+    # ---- RPCs -----------------------------------------------------------------------------
+    async def Info(
+        self, request: engine_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EngineInfo:
+        self._ready()
+        info = self._info
+        return engine_pb2.EngineInfo(
+            model=info.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=info.block_size,
+            num_blocks=info.num_blocks,
+            max_num_seqs=info.max_num_seqs,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            eos_token_ids=list(info.eos_token_ids),
+            engine_id=self.engine_id,
+            backend=info.backend,
+            device=str(info.device),
+            dtype=str(info.dtype),
+            load=load_to_pb(self._load) if self._load else None,
+        )
+
+    async def EngineSession(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.EngineRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[engine_pb2.EngineStep]:
+        engine_loop = self._ready()
+        session = _Session(key=f"s{next(self._session_numbers)}")
+        self._sessions[session.key] = session
+        reader = asyncio.create_task(self._read(request_iterator, session, engine_loop))
+        try:
+            if self._load is not None:  # capacity right away, before any step
+                yield self._step_message([], self._load)
+            while True:
+                message = await session.outbox.get()
+                if message is None:
+                    return
+                yield message
+        finally:
+            reader.cancel()
+            self._close(session, engine_loop)
+
+    # ---- inbound --------------------------------------------------------------------------
+    async def _read(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.EngineRequest],
+        session: _Session,
+        engine_loop: EngineLoop,
+    ) -> None:
+        try:
+            async for request in request_iterator:
+                self._handle(request, session, engine_loop)
+        except (asyncio.CancelledError, grpc.RpcError):
+            pass
+        session.input_closed = True
+        if not session.live:
+            session.outbox.put_nowait(None)
+
+    def _handle(
+        self, request: engine_pb2.EngineRequest, session: _Session, engine_loop: EngineLoop
+    ) -> None:
+        submits: list[Submit] = []
+        refused: list[engine_pb2.SequenceUpdate] = []
+        for item in request.submits:
+            request_id = item.request_id
+            if not request_id:
+                refused.append(_refusal("", "INVALID_ARGUMENT", "request_id must be non-empty"))
+                continue
+            if request_id in session.live:
+                refused.append(
+                    _refusal(request_id, "ALREADY_EXISTS", f"request {request_id!r} is live")
+                )
+                continue
+            try:
+                params = sampling_params_from_pb(item.params)
+            except SluiceError as exc:
+                refused.append(_refusal(request_id, exc.code, exc.message))
+                continue
+            session.live.add(request_id)
+            submits.append(
+                Submit(
+                    session.internal_id(request_id),
+                    list(item.prompt_token_ids),
+                    params,
+                    adapter=item.adapter or None,
+                    priority=item.priority,
+                )
+            )
+        if submits:
+            engine_loop.submit(submits)
+        aborts = [session.internal_id(rid) for rid in request.aborts if rid in session.live]
+        if aborts:
+            engine_loop.abort(aborts)
+        if refused and self._load is not None:
+            session.outbox.put_nowait(self._step_message(refused, self._load))
+
+    # ---- outbound -------------------------------------------------------------------------
+    def _dispatch(self, output: LoopOutput) -> None:
+        """On the asyncio loop: split one loop output into one EngineStep per session."""
+        self._load = output.load
+        self._step_index = output.step_index
+        per_session: dict[str, list[engine_pb2.SequenceUpdate]] = {}
+        for rejection in output.rejections:
+            self._route(rejection.request_id, rejection, per_session)
+        for delta in output.deltas:
+            self._route(delta.request_id, delta, per_session)
+        now = time.monotonic()
+        for key, session in list(self._sessions.items()):
+            updates = per_session.get(key)
+            if updates is None and now - session.last_sent < self._interval:
+                continue
+            session.last_sent = now
+            session.outbox.put_nowait(self._step_message(updates or [], output.load, output))
+            if session.input_closed and not session.live:
+                session.outbox.put_nowait(None)
+
+    def _route(
+        self,
+        internal_id: str,
+        item: SequenceDelta | Rejection,
+        per_session: dict[str, list[engine_pb2.SequenceUpdate]],
+    ) -> None:
+        key, _, request_id = internal_id.partition(_SEPARATOR)
+        session = self._sessions.get(key)
+        if session is None or request_id not in session.live:
+            return  # the session is gone (its requests were aborted)
+        if isinstance(item, Rejection):
+            update = rejection_to_pb(request_id, item)
+            session.live.discard(request_id)
+        else:
+            update = update_to_pb(request_id, item)
+            if item.finished:
+                session.live.discard(request_id)
+        per_session.setdefault(key, []).append(update)
+
+    def _step_message(
+        self,
+        updates: Sequence[engine_pb2.SequenceUpdate],
+        load: EngineLoad,
+        output: LoopOutput | None = None,
+    ) -> engine_pb2.EngineStep:
+        return engine_pb2.EngineStep(
+            updates=updates,
+            load=load_to_pb(load),
+            step_index=self._step_index,
+            step_time_ms=output.step_time_s * 1000.0 if output else 0.0,
+            num_batched_tokens=output.num_batched_tokens if output else 0,
+        )
+
+    def _close(self, session: _Session, engine_loop: EngineLoop) -> None:
+        self._sessions.pop(session.key, None)
+        if session.live:
+            engine_loop.abort([session.internal_id(rid) for rid in session.live])
+            log.info("session %s closed: aborted %d requests", session.key, len(session.live))
+            session.live.clear()
+
+
+def _refusal(request_id: str, code: str, message: str) -> engine_pb2.SequenceUpdate:
+    return rejection_to_pb(request_id, Rejection(request_id, code, message))
+
+
+def _record_metrics(output: LoopOutput) -> None:
+    load = output.load
+    metrics.ENGINE_RUNNING_SEQUENCES.set(load.running)
+    metrics.ENGINE_WAITING_SEQUENCES.set(load.waiting)
+    metrics.ENGINE_KV_BLOCKS_FREE.set(load.free_blocks)
+    metrics.ENGINE_KV_BLOCKS_USED.set(load.total_blocks - load.free_blocks)
+    metrics.ENGINE_RESIDENT_ADAPTERS.set(len(load.resident_adapters))
+    if output.deltas:
+        metrics.ENGINE_STEP_TIME.observe(output.step_time_s)
+        generated = sum(len(delta.new_token_ids) for delta in output.deltas)
+        if generated:
+            metrics.ENGINE_GENERATED_TOKENS.inc(generated)
+
+
+async def serve(config: WorkerConfig, *, stop_event: asyncio.Event | None = None) -> None:
+    """Run the worker until `stop_event` is set (or SIGINT/SIGTERM when none is given)."""
+    from services.engine.llm_engine import LLMEngine
+
+    log.info("%s\n%s", describe(config.network), describe(config.engine))
+    metrics.start_metrics_server(config.network.metrics_port)
+    servicer = EngineServicer(load_report_interval_s=config.network.load_report_interval_s)
+    running = await start_server(
+        config.network.address,
+        lambda server: engine_pb2_grpc.add_EngineServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+    )
+    if stop_event is None:
+        stop_event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop_event.set)
+    engine_loop: EngineLoop | None = None
+    try:
+        engine = await asyncio.to_thread(LLMEngine, config.engine)
+        engine_loop = servicer.attach(engine, asyncio.get_running_loop())
+        await running.set_serving(True)
+        log.info("engine %s serving on port %d", servicer.engine_id, running.port)
+        await stop_event.wait()
+    finally:
+        await running.stop(config.network.shutdown_grace_s)
+        if engine_loop is not None:
+            await asyncio.to_thread(engine_loop.stop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sluice serve engine`: parse flags, serve until SIGINT/SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = WorkerConfig.from_argv(argv)
+    except SluiceError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,356 @@
+"""Starts a whole Sluice stack on this machine: tokenizer, engine worker(s) and router.
+
+Each service runs as its own OS process (`python -m services.cli serve <service> ...`) bound to
+loopback, so the stack behaves as it would in a cluster: real gRPC between processes, one
+process per role. The launcher
+- resolves (and, for the default GGUF model, converts) the model once before any child starts,
+  so children never race on the conversion;
+- picks free ports for the internal services, starts the tokenizer and engines, waits until
+  their gRPC health says SERVING, then starts the router and waits for it too;
+- stops everything cleanly: the router first (it drains), then engines and tokenizer; each child
+  gets SIGTERM, then SIGKILL after a grace period;
+- reports a child that dies unexpectedly by name and exit code.
+
+It is used by `sluice up` and by the integration test fixture (tests/integration/conftest.py).
+Issue 4 moves engines into Ray actors: the engine-starting part is one replaceable function,
+`EngineStarter` (default `start_engine_processes`), so that change touches nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from services.common.errors import InvalidArgumentError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What to start. Extra argv lists pass flags through to one kind of service unchanged."""
+
+    model: str | None = None
+    host: str = LOOPBACK
+    port: int = 50051  # the router's port; 0 picks a free one
+    engines: int = 1
+    router_args: tuple[str, ...] = ()
+    engine_args: tuple[str, ...] = ()
+    tokenizer_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 300.0
+    stop_grace_s: float = 10.0
+    log_dir: Path | None = None  # None: children inherit this process's stdout/stderr
+
+    def __post_init__(self) -> None:
+        if isinstance(self.engines, bool) or not isinstance(self.engines, int):
+            raise InvalidArgumentError(f"engines must be an integer, got {self.engines!r}")
+        if self.engines < 1:
+            raise InvalidArgumentError(f"engines must be >= 1, got {self.engines}")
+        if not 0 <= self.port < 65536:
+            raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
+        if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
+            raise InvalidArgumentError("startup_timeout_s must be > 0 and stop_grace_s >= 0")
+
+
+@dataclass
+class ChildProcess:
+    """One started service process and where it listens."""
+
+    name: str
+    address: str
+    process: subprocess.Popen[bytes]
+    log_path: Path | None = None
+    _log_file: IO[bytes] | None = field(default=None, repr=False)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        """The end of the child's log file (empty when it logs to the terminal)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace")
+        return text[-max_chars:]
+
+    def close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model argument children get: the user's string (None = the default model)."""
+
+    model: str | None
+
+    def flags(self) -> list[str]:
+        return [] if self.model is None else ["--model", self.model]
+
+
+# (stack config, model) -> started engine children, each serving the Engine service.
+# Replaceable: issue 4 starts engines as Ray actors instead of processes.
+EngineStarter = Callable[[StackConfig, ModelSpec], list[ChildProcess]]
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def spawn_service(
+    config: StackConfig, name: str, service: str, port: int, argv: Sequence[str]
+) -> ChildProcess:
+    """Start `sluice serve <service>` on `config.host:port` as a child process."""
+    command = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        service,
+        "--host",
+        config.host,
+        "--port",
+        str(port),
+        *argv,
+    ]
+    log_path: Path | None = None
+    log_file: IO[bytes] | None = None
+    if config.log_dir is not None:
+        config.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = config.log_dir / f"{name}.log"
+        log_file = open(log_path, "wb")  # noqa: SIM115 - closed in ChildProcess.close_log
+    log.info("starting %s: %s", name, " ".join(command))
+    process = subprocess.Popen(
+        command,
+        stdout=log_file,
+        stderr=subprocess.STDOUT if log_file is not None else None,
+        stdin=subprocess.DEVNULL,
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in
+        # order (router first, so it can drain).
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    return ChildProcess(name, f"{config.host}:{port}", process, log_path, log_file)
+
+
+def start_engine_processes(config: StackConfig, model: ModelSpec) -> list[ChildProcess]:
+    """The default EngineStarter: one `sluice serve engine` process per engine."""
+    return [
+        spawn_service(
+            config,
+            f"engine-{index}",
+            "engine",
+            free_port(config.host),
+            [*model.flags(), *config.engine_args],
+        )
+        for index in range(config.engines)
+    ]
+
+
+class Stack:
+    """A running stack. Use `start()` then `stop()`, or as a context manager."""
+
+    def __init__(
+        self, config: StackConfig, *, engine_starter: EngineStarter = start_engine_processes
+    ) -> None:
+        self.config = config
+        self.engine_starter = engine_starter
+        self.tokenizer: ChildProcess | None = None
+        self.engines: list[ChildProcess] = []
+        self.router: ChildProcess | None = None
+        self._stopped = False
+
+    # ---- addresses ------------------------------------------------------------------------
+    @property
+    def router_address(self) -> str:
+        if self.router is None:
+            raise UnavailableError("the stack is not started")
+        return self.router.address
+
+    @property
+    def tokenizer_address(self) -> str:
+        if self.tokenizer is None:
+            raise UnavailableError("the stack is not started")
+        return self.tokenizer.address
+
+    @property
+    def engine_addresses(self) -> list[str]:
+        return [engine.address for engine in self.engines]
+
+    @property
+    def children(self) -> list[ChildProcess]:
+        members = [self.router, *self.engines, self.tokenizer]
+        return [child for child in members if child is not None]
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> Stack:
+        """Start every service and return once all report SERVING (raises and cleans up if not)."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        config = self.config
+        model = ModelSpec(config.model)
+        prepare_model(config.model)
+        deadline = time.monotonic() + config.startup_timeout_s
+        self.tokenizer = spawn_service(
+            config,
+            "tokenizer",
+            "tokenizer",
+            free_port(config.host),
+            [*model.flags(), *config.tokenizer_args],
+        )
+        self.engines = self.engine_starter(config, model)
+        for child in (self.tokenizer, *self.engines):
+            wait_until_serving(child, deadline)
+        router_port = config.port or free_port(config.host)
+        self.router = spawn_service(
+            config,
+            "router",
+            "router",
+            router_port,
+            [
+                *router_flags(self.tokenizer.address, self.engine_addresses),
+                *config.router_args,
+            ],
+        )
+        wait_until_serving(self.router, deadline)
+
+    def dead_children(self) -> list[ChildProcess]:
+        return [child for child in self.children if not child.alive()]
+
+    def stop(self) -> None:
+        """Router first (SIGTERM lets it drain), then engines and tokenizer. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.stop_grace_s
+        if self.router is not None:
+            terminate([self.router], grace)
+        terminate([*self.engines, *([self.tokenizer] if self.tokenizer else [])], grace)
+        for child in self.children:
+            child.close_log()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def run_until_signal(self, announce: Callable[[str], None] = print) -> int:
+        """Serve until SIGINT/SIGTERM (exit code 0) or a child dies (reported; exit code 1)."""
+        stop_requested = threading.Event()
+        previous = {
+            signum: signal.signal(signum, lambda *_: stop_requested.set())
+            for signum in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            while not stop_requested.wait(0.2):
+                dead = self.dead_children()
+                if dead:
+                    for child in dead:
+                        announce(
+                            f"sluice: {child.name} ({child.address}) exited unexpectedly "
+                            f"with code {child.process.returncode}"
+                        )
+                    return 1
+            announce("sluice: stopping")
+            return 0
+        finally:
+            self.stop()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+def router_flags(tokenizer_address: str, engine_addresses: Sequence[str]) -> list[str]:
+    """How the router is told where its tokenizer and engines are (services/router/config.py)."""
+    return ["--tokenizer", tokenizer_address, "--engines", ",".join(engine_addresses)]
+
+
+def prepare_model(model: str | None) -> None:
+    """Resolve the model once (converting the default GGUF) before children start."""
+    from services.common.model_files import resolve_model
+
+    resolve_model(model)
+
+
+def wait_until_serving(child: ChildProcess, deadline: float) -> None:
+    """Poll the child's gRPC health until SERVING; raise if it exits or the deadline passes."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(child.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if not child.alive():
+                raise UnavailableError(
+                    f"{child.name} exited with code {child.process.returncode} while starting"
+                    + _tail_note(child)
+                )
+            with contextlib.suppress(grpc.RpcError):
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    log.info("%s serving at %s", child.name, child.address)
+                    return
+            if time.monotonic() > deadline:
+                raise UnavailableError(
+                    f"{child.name} at {child.address} not serving before the start-up timeout"
+                    + _tail_note(child)
+                )
+            time.sleep(0.2)
+
+
+def terminate(children: Sequence[ChildProcess], grace_s: float) -> None:
+    """SIGTERM every live child, wait up to `grace_s` for all, then SIGKILL the rest."""
+    for child in children:
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        remaining = max(deadline - time.monotonic(), 0.0)
+        try:
+            child.process.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.1f s; killing it", child.name, grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                child.process.kill()
+            child.process.wait()
+
+
+def _tail_note(child: ChildProcess) -> str:
+    tail = child.log_tail()
+    return f"\n--- last lines of {child.log_path} ---\n{tail}" if tail else ""
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM the child if the launcher dies without stopping it."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:
+        pass

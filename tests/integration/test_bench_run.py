@@ -1,0 +1,79 @@
+"""`sluice bench` against the real local stack (router + tokenizer + engine on loopback)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest.cli import main
+
+
+def _bench(router_address: str, out: Path, *extra: str) -> dict:
+    code = main(
+        [
+            "--target",
+            router_address,
+            "--arrival",
+            "constant",
+            "--rate",
+            "4",
+            "--input-mean",
+            "16",
+            "--input-stdev",
+            "4",
+            "--output-mean",
+            "8",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--timeout",
+            "120",
+            *extra,
+        ]
+    )
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_short_run_all_ok_small_lag_files_written(router_address: str, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    report = _bench(router_address, out, "--num-requests", "8", "--slo", "ttft=60000")
+    statuses = [r["status"] for r in report["requests"]]
+    assert statuses == ["OK"] * 8, report["details"]["errors"]
+    # ignore_eos + max_tokens: every request streams exactly the asked-for length.
+    assert [r["output_tokens"] for r in report["requests"]] == [8] * 8
+    summary = report["summary"]
+    assert summary["max_send_lag_ms"] < 200
+    assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
+    assert summary["tpot_ms"]["mean"] > 0
+    assert summary["output_token_throughput"] > 0
+    assert summary["goodput"] == summary["request_throughput"] > 0
+    scheduled = [r["scheduled_s"] for r in report["requests"]]
+    assert scheduled == [i * 0.25 for i in range(8)]
+    assert (tmp_path / "bench.md").exists()
+    for suffix in ("latency_cdf", "throughput", "queue"):
+        assert (tmp_path / f"bench_{suffix}.png").stat().st_size > 1000
+
+
+def test_cancelled_streams_are_recorded_and_the_stack_keeps_serving(
+    router_address: str, tmp_path: Path
+) -> None:
+    report = _bench(
+        router_address,
+        tmp_path / "cancel.json",
+        "--num-requests",
+        "6",
+        "--output-mean",
+        "24",
+        "--cancel-rate",
+        "0.5",
+        "--seed",
+        "3",
+    )
+    statuses = {r["status"] for r in report["requests"]}
+    assert statuses <= {"OK", "CANCELLED"}
+    assert "CANCELLED" in statuses
+    cancelled = [r for r in report["requests"] if r["status"] == "CANCELLED"]
+    assert all(0 < r["output_tokens"] < 24 for r in cancelled)
+    after = _bench(router_address, tmp_path / "after.json", "--num-requests", "2")
+    assert [r["status"] for r in after["requests"]] == ["OK", "OK"]

@@ -1,0 +1,266 @@
+"""The engine servicer over the real LLMEngine (dummy:tiny weights) on an in-process gRPC server.
+
+Checks submits and streamed steps, per-request validation errors that leave the session usable,
+aborts, a dropped session freeing its blocks, per-session id namespaces, and Info.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common.grpc_server import start_server
+from services.engine.config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+from services.engine.server import SERVICE_NAME, EngineServicer, sampling_params_from_pb
+
+ENGINE_CONFIG = EngineConfig(model="dummy:tiny", kv_cache_bytes=2 * 1024 * 1024, max_num_seqs=32)
+TIMEOUT_S = 60.0
+
+
+@contextlib.asynccontextmanager
+async def engine_server() -> AsyncIterator[tuple[engine_pb2_grpc.EngineStub, EngineServicer]]:
+    servicer = EngineServicer(load_report_interval_s=0.2)
+    running = await start_server(
+        "127.0.0.1:0",
+        lambda server: engine_pb2_grpc.add_EngineServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+    )
+    engine = await asyncio.to_thread(LLMEngine, ENGINE_CONFIG)
+    engine_loop = servicer.attach(engine, asyncio.get_running_loop())
+    await running.set_serving(True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        yield engine_pb2_grpc.EngineStub(channel), servicer
+    finally:
+        await channel.close()
+        await running.stop(0)
+        await asyncio.to_thread(engine_loop.stop)
+
+
+def submit(request_id: str, prompt: list[int], **params: object) -> engine_pb2.SubmitRequest:
+    return engine_pb2.SubmitRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        params=common_pb2.SamplingParams(**params),
+    )
+
+
+class Session:
+    """A client side of EngineSession: send requests, gather updates per request id."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
+        self.outbox: asyncio.Queue[engine_pb2.EngineRequest | None] = asyncio.Queue()
+        self.call = stub.EngineSession(self._requests())
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, engine_pb2.SequenceUpdate] = {}
+        self.steps: list[engine_pb2.EngineStep] = []
+
+    async def _requests(self) -> AsyncIterator[engine_pb2.EngineRequest]:
+        while True:
+            request = await self.outbox.get()
+            if request is None:
+                return
+            yield request
+
+    def send(self, **fields: object) -> None:
+        self.outbox.put_nowait(engine_pb2.EngineRequest(**fields))
+
+    async def until(self, predicate, timeout_s: float = TIMEOUT_S) -> None:  # noqa: ANN001
+        async def pump() -> None:
+            while not predicate():
+                step = await self.call.read()
+                assert step is not grpc.aio.EOF, "session ended early"
+                self.steps.append(step)
+                for update in step.updates:
+                    self.tokens.setdefault(update.request_id, []).extend(update.token_ids)
+                    if update.finish_reason:
+                        self.finished[update.request_id] = update
+
+        await asyncio.wait_for(pump(), timeout_s)
+
+
+async def free_blocks(stub: engine_pb2_grpc.EngineStub) -> tuple[int, int]:
+    info = await stub.Info(engine_pb2.EngineInfoRequest())
+    return info.load.free_blocks, info.num_blocks
+
+
+async def wait_all_blocks_free(stub: engine_pb2_grpc.EngineStub) -> None:
+    for _ in range(200):
+        free, total = await free_blocks(stub)
+        if free == total:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"blocks not freed: {free} of {total}")
+
+
+def offline_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    engine = LLMEngine(ENGINE_CONFIG)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, params)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for delta in engine.step().deltas:
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    return [outputs[str(index)] for index in range(len(prompts))]
+
+
+def test_sampling_params_from_pb_defaults_and_values() -> None:
+    defaults = sampling_params_from_pb(common_pb2.SamplingParams())
+    assert defaults == SamplingParams()
+    given = sampling_params_from_pb(
+        common_pb2.SamplingParams(max_tokens=7, temperature=0.0, seed=3, stop=["x"], logprobs=2)
+    )
+    assert (given.max_tokens, given.temperature, given.seed, given.stop, given.logprobs) == (
+        7,
+        0.0,
+        3,
+        ("x",),
+        2,
+    )
+
+
+def test_info_and_greedy_generation_match_the_offline_engine() -> None:
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13, 14, 15, 16, 17]]
+    expected = offline_greedy(prompts, max_tokens=6)
+
+    async def scenario() -> None:
+        async with engine_server() as (stub, servicer):
+            info = await stub.Info(engine_pb2.EngineInfoRequest())
+            assert info.model == "dummy:tiny" and info.vocab_size == 49152
+            assert info.load.free_blocks == info.num_blocks > 0
+            assert info.engine_id == servicer.engine_id
+            session = Session(stub)
+            session.send(
+                submits=[
+                    submit(f"r{i}", p, max_tokens=6, temperature=0.0, ignore_eos=True)
+                    for i, p in enumerate(prompts)
+                ]
+            )
+            await session.until(lambda: len(session.finished) == len(prompts))
+            for index in range(len(prompts)):
+                update = session.finished[f"r{index}"]
+                assert update.finish_reason == common_pb2.FINISH_REASON_LENGTH
+                assert update.usage.completion_tokens == 6
+                assert update.usage.prompt_tokens == len(prompts[index])
+                assert session.tokens[f"r{index}"] == expected[index]
+            assert all(step.HasField("load") for step in session.steps)
+            session.send()  # an empty batch is harmless
+            session.outbox.put_nowait(None)
+            await wait_all_blocks_free(stub)
+
+    asyncio.run(scenario())
+
+
+def test_bad_requests_fail_alone_and_the_session_keeps_serving() -> None:
+    async def scenario() -> None:
+        async with engine_server() as (stub, _):
+            session = Session(stub)
+            session.send(
+                submits=[
+                    submit("bad-temperature", [1, 2], temperature=-1.0),
+                    submit("bad-token", [1, 10**9], max_tokens=2),
+                    submit("empty", [], max_tokens=2),
+                    submit("good", [1, 2, 3], max_tokens=3, temperature=0.0, ignore_eos=True),
+                ]
+            )
+            await session.until(lambda: len(session.finished) == 4)
+            for request_id in ("bad-temperature", "bad-token", "empty"):
+                update = session.finished[request_id]
+                assert update.finish_reason == common_pb2.FINISH_REASON_ERROR
+                assert update.error.code == "INVALID_ARGUMENT", update.error
+                assert update.error.message
+            assert "temperature" in session.finished["bad-temperature"].error.message
+            assert session.finished["good"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert len(session.tokens["good"]) == 3
+            # Still usable, and a finished id may be reused.
+            session.send(submits=[submit("good", [4, 5], max_tokens=2, ignore_eos=True)])
+            session.finished.clear()
+            await session.until(lambda: "good" in session.finished)
+            assert session.finished["good"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            await wait_all_blocks_free(stub)
+
+    asyncio.run(scenario())
+
+
+def test_abort_and_dropped_session_free_blocks() -> None:
+    async def scenario() -> None:
+        async with engine_server() as (stub, _):
+            _, total = await free_blocks(stub)
+            session = Session(stub)
+            long_prompt = list(range(1, 40))
+            session.send(
+                submits=[
+                    submit(f"a{i}", long_prompt, max_tokens=1000, ignore_eos=True) for i in range(4)
+                ]
+            )
+            await session.until(
+                lambda: all(len(session.tokens.get(f"a{i}", [])) >= 2 for i in range(4))
+            )
+            free, _ = await free_blocks(stub)
+            assert free < total
+            session.send(aborts=["a0", "a1", "unknown"])
+            await session.until(lambda: {"a0", "a1"} <= set(session.finished))
+            assert session.finished["a0"].finish_reason == common_pb2.FINISH_REASON_ABORT
+            assert "a2" not in session.finished
+            session.call.cancel()  # the router goes away with a2, a3 still running
+            await wait_all_blocks_free(stub)
+
+    asyncio.run(scenario())
+
+
+def test_two_sessions_may_use_the_same_request_ids() -> None:
+    async def scenario() -> None:
+        async with engine_server() as (stub, _):
+            first, second = Session(stub), Session(stub)
+            first.send(submits=[submit("same", [1, 2, 3], max_tokens=4, ignore_eos=True)])
+            second.send(submits=[submit("same", [7, 8], max_tokens=2, ignore_eos=True)])
+            await first.until(lambda: "same" in first.finished)
+            await second.until(lambda: "same" in second.finished)
+            assert len(first.tokens["same"]) == 4
+            assert len(second.tokens["same"]) == 2
+            assert first.finished["same"].usage.prompt_tokens == 3
+            assert second.finished["same"].usage.prompt_tokens == 2
+            # A duplicate live id in one session is refused for that request only.
+            first.send(
+                submits=[
+                    submit("dup", [1, 2], max_tokens=50, ignore_eos=True),
+                    submit("dup", [1, 2], max_tokens=50, ignore_eos=True),
+                ]
+            )
+            await first.until(lambda: "dup" in first.finished)
+            assert first.finished["dup"].error.code == "ALREADY_EXISTS"
+            first.send(aborts=["dup"])
+            first.finished.clear()
+            await first.until(lambda: "dup" in first.finished)
+            assert first.finished["dup"].finish_reason == common_pb2.FINISH_REASON_ABORT
+            await wait_all_blocks_free(stub)
+
+    asyncio.run(scenario())
+
+
+def test_idle_engine_sends_load_only_steps() -> None:
+    async def scenario() -> None:
+        async with engine_server() as (stub, _):
+            session = Session(stub)
+            await session.until(lambda: len(session.steps) >= 3, timeout_s=10.0)
+            assert all(not step.updates for step in session.steps)
+            assert all(step.load.total_blocks > 0 for step in session.steps)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("interval", [0.0, -1.0])
+def test_worker_config_rejects_bad_interval(interval: float) -> None:
+    from services.common.errors import InvalidArgumentError
+    from services.engine.worker_config import WorkerConfig
+
+    with pytest.raises(InvalidArgumentError):
+        WorkerConfig.from_argv(["--load-report-interval-s", str(interval)])

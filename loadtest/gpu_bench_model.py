@@ -1,0 +1,158 @@
+"""The measurements of loadtest.gpu_bench for one model shape (split out to keep files short).
+
+Order matters for memory on an 80 GB card: transformers' model is built, randomised, copied
+into the fused fast-path weights, timed and used as a reference, then freed before the large
+KV cache of the throughput runs is allocated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+CORRECTNESS_PROMPTS = (100, 517, 3)  # prompt lengths of the checked batch
+DECODE_CHECK_STEPS = 4
+PREFILL_BATCHES = ((2048, 2048, 2048, 2048), (8192,))
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Device-to-device copy bandwidth (read + write) and the bf16 8192^3 matmul rate."""
+    import triton.testing
+
+    source = torch.randn(2**28, device="cuda")  # 1 GiB of float32
+    target = torch.empty_like(source)
+    copy_ms = triton.testing.do_bench(lambda: target.copy_(source), warmup=50, rep=300,
+                                      return_mode="median")  # fmt: skip
+    size = 8192
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    matmul_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    source = target = a = b = None
+    torch.cuda.empty_cache()
+    return {
+        "copy_gb_s": round(2 * 2**30 / (copy_ms * 1e-3) / 1e9, 1),
+        "matmul_tflop_s": round(2 * size**3 / (matmul_ms * 1e-3) / 1e12, 1),
+    }
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        return float("nan")
+    return float((out - ref).norm() / ref.norm())
+
+
+def _build_transformers(shape: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.engine.loader.dummy_shapes import dummy_config
+
+    fields = dict(dummy_config(shape))
+    fields.pop("model_type", None)
+    config = LlamaConfig(**fields)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(1.0, 0.1, generator=generator)
+            else:
+                parameter.normal_(0.0, 0.02, generator=generator)
+    return config, model.eval()
+
+
+def _transformers_generate_ms(model, vocab: int, new_tokens: int = 32) -> float:
+    """Per-token decode time of transformers' generate at bs=1 (prompt 128, greedy)."""
+    prompt = torch.randint(0, vocab, (1, 128), device="cuda")
+
+    def run(count: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                           pad_token_id=0)  # fmt: skip
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(4)
+    one = min(run(1) for _ in range(2))
+    many = min(run(new_tokens + 1) for _ in range(2))
+    return (many - one) / new_tokens * 1e3
+
+
+def bench_shape(
+    shape: str,
+    entry: dict[str, Any],
+    ceilings: dict[str, float],
+    batches: list[int],
+    decode_context: int,
+    decode_steps: int,
+    save: Callable[[], None],
+) -> None:
+    from services.engine.backends.cuda_model import CudaLlama, ModelWeights
+    from services.engine.kernels.reference import llama_reference_logits
+
+    config, hf_model = _build_transformers(shape)
+    entry["model"] = f"dummy:{shape}"
+    entry["parameters"] = sum(p.numel() for p in hf_model.parameters())
+    weights = ModelWeights.from_hf(hf_model)
+    vocab = config.vocab_size
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist()
+               for n in CORRECTNESS_PROMPTS]  # fmt: skip
+    with torch.no_grad():
+        hf_last = [hf_model(torch.tensor([p], device="cuda")).logits[0, -1].float()
+                   for p in prompts]  # fmt: skip
+    entry["transformers_bs1_ms"] = round(_transformers_generate_ms(hf_model, vocab), 3)
+    print(shape, "transformers bs1 ms", entry["transformers_bs1_ms"], flush=True)
+    save()
+    del hf_model
+    torch.cuda.empty_cache()
+
+    block_size, max_blocks = 16, 640
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_block = (2 * config.num_hidden_layers * block_size * config.num_key_value_heads
+                 * head_dim * 2)  # fmt: skip
+    needed = max(batches) * -(-(decode_context + decode_steps + 8) // block_size) + 1024
+    free, _ = torch.cuda.mem_get_info()
+    affordable = int((free - 10 * 2**30) // per_block)
+    num_blocks = min(needed, affordable)
+    entry["num_blocks"] = num_blocks
+    fast = CudaLlama(config, weights, num_blocks=num_blocks, block_size=block_size,
+                     max_blocks_per_seq=max_blocks,
+                     graph_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
+                                         if b <= max(batches)))  # fmt: skip
+    with torch.no_grad():
+        for cache in fast.key_caches + fast.value_caches:
+            cache.normal_(0.0, 1.0)
+    started = time.perf_counter()
+    fast.capture_graphs()
+    entry["graph_capture_s"] = round(time.perf_counter() - started, 1)
+
+    from loadtest.gpu_bench_timing import check_correctness, time_decode, time_prefill
+
+    with torch.no_grad():
+        check_correctness(fast, config, prompts, hf_last, entry, llama_reference_logits)
+        save()
+        decode_floor_ms = weights.decode_bytes() / (ceilings["copy_gb_s"] * 1e9) * 1e3
+        entry["decode_weight_bytes"] = weights.decode_bytes()
+        entry["decode_bs1_floor_ms"] = round(decode_floor_ms, 3)
+        time_decode(fast, entry, batches, decode_context, decode_steps, save)
+        entry["decode_bs1_floor_ratio"] = round(entry["decode_bs1_ms"] / decode_floor_ms, 3)
+        entry["speedup_vs_transformers_bs1"] = round(
+            entry["transformers_bs1_ms"] / entry["decode_bs1_ms"], 2
+        )
+        save()
+        time_prefill(fast, config, entry, ceilings, PREFILL_BATCHES)
+        save()
+    del fast, weights
+    torch.cuda.empty_cache()

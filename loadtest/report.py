@@ -64,8 +64,9 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"- Output token throughput: {_cell(summary['output_token_throughput'])} tokens/s",
         f"- Goodput: {_cell(summary['goodput'])} req/s (SLO ms: {info.get('slo_ms') or 'none'})",
         f"- Worst send lag: {_cell(summary['max_send_lag_ms'])} ms "
-        f"(dispatch {_cell(info.get('max_dispatch_lag_ms'))} ms, "
-        f"concurrency-slot wait {_cell(info.get('max_slot_wait_ms'))} ms)",
+        f"(scheduler dispatch {_cell(info.get('max_dispatch_lag_ms'))} ms, "
+        f"dispatch-to-send wait incl. --max-concurrency slots "
+        f"{_cell(info.get('max_slot_wait_ms'))} ms)",
         f"- Duration: {_cell(info.get('duration_s'))} s",
     ]
     for warning in info.get("warnings", []):

@@ -7,7 +7,8 @@ KV cache layout (every backend, CPU and CUDA): per layer two tensors, key and va
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,3 +26,7 @@ class AttentionMetadata:
     max_seq_len: int
     is_pure_decode: bool  # every sequence computes exactly one token
     logits_indices: torch.Tensor  # [num_logits] int64: rows of the flat hidden states to project
+    block_size: int = 16  # tokens per KV block (slot = block_id * block_size + offset)
+    # Per-step scratch of the attention backend: its prepare() fills it once per step (gather
+    # indices, masks, host-side lengths) and every layer reads it.
+    backend_state: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""Model implementations (Llama family) and the registry keyed by HF architecture name."""

@@ -1,0 +1,169 @@
+"""The "torch" attention backend: plain PyTorch over the paged KV cache, correct on any device.
+
+Per step, `prepare` splits the flat batch into its leading decodes (one query token each) and
+the prefill chunks after them, and precomputes the cache slots each one reads. Decodes are
+computed together: every sequence's keys are gathered from its block table into one padded
+[B, max_seq_len] tensor with a length mask, one scaled_dot_product_attention call for the
+whole batch with query heads grouped per KV head (GQA without repeating K/V). Each prefill
+chunk attends causally to its cached prefix plus itself (the mask is offset by the context
+length), so a first prefill, a chunked prefill and a prefix-cache hit share one path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.backends.base import AttentionBackend, register_backend
+from services.engine.layers.attention_metadata import AttentionMetadata
+
+_STATE_KEY = "torch"
+
+
+@dataclass
+class _PrefillChunk:
+    token_start: int
+    token_end: int
+    slots: torch.Tensor | None  # [seq_len] cache slots to read; None when nothing was cached
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, True where attention is allowed
+
+
+@dataclass
+class _StepPlan:
+    num_decodes: int
+    decode_slots: torch.Tensor | None  # [B_decode, max_len] int64
+    decode_mask: torch.Tensor | None  # [B_decode, 1, 1, max_len] bool
+    prefills: list[_PrefillChunk]
+
+
+@register_backend("torch")
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend; vectorized over the batch for decodes."""
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        metadata.backend_state[_STATE_KEY] = _plan(metadata)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        plan = metadata.backend_state.get(_STATE_KEY)
+        if plan is None:
+            self.prepare(metadata)
+            plan = metadata.backend_state[_STATE_KEY]
+        flat_keys = key_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_values = value_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_keys.index_copy_(0, metadata.slot_mapping, key.to(flat_keys.dtype))
+        flat_values.index_copy_(0, metadata.slot_mapping, value.to(flat_values.dtype))
+
+        output = torch.empty_like(query)
+        if plan.num_decodes:
+            output[: plan.num_decodes] = self._decode(
+                query[: plan.num_decodes], flat_keys, flat_values, plan
+            )
+        for chunk in plan.prefills:
+            output[chunk.token_start : chunk.token_end] = self._prefill(
+                query, key, value, flat_keys, flat_values, chunk
+            )
+        return output
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        flat_keys: torch.Tensor,
+        flat_values: torch.Tensor,
+        plan: _StepPlan,
+    ) -> torch.Tensor:
+        batch = query.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        grouped = query.view(batch, self.num_kv_heads, group, self.head_dim)
+        keys = flat_keys[plan.decode_slots].transpose(1, 2).to(query.dtype)
+        values = flat_values[plan.decode_slots].transpose(1, 2).to(query.dtype)
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=plan.decode_mask, scale=self.scale
+        )
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        flat_keys: torch.Tensor,
+        flat_values: torch.Tensor,
+        chunk: _PrefillChunk,
+    ) -> torch.Tensor:
+        start, end = chunk.token_start, chunk.token_end
+        queries = query[start:end].transpose(0, 1).unsqueeze(0)
+        if chunk.slots is None:
+            keys = key[start:end]
+            values = value[start:end]
+        else:
+            keys = flat_keys[chunk.slots].to(query.dtype)
+            values = flat_values[chunk.slots].to(query.dtype)
+        keys = keys.transpose(0, 1).unsqueeze(0)
+        values = values.transpose(0, 1).unsqueeze(0)
+        gqa = self.num_heads != self.num_kv_heads
+        if chunk.mask is None:
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=gqa
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=chunk.mask, scale=self.scale, enable_gqa=gqa
+            )
+        return out.squeeze(0).transpose(0, 1)
+
+
+def _plan(metadata: AttentionMetadata) -> _StepPlan:
+    starts = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    context_lens = metadata.context_lens.tolist()
+    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    device = metadata.slot_mapping.device
+    block_tables = metadata.block_tables.to(torch.int64)
+    decode_slots = decode_mask = None
+    if num_decodes:
+        max_len = max(seq_lens[:num_decodes])
+        lengths = metadata.seq_lens[:num_decodes].to(torch.int64)
+        decode_slots, valid = _slots_for(block_tables[:num_decodes], max_len, lengths, metadata)
+        decode_mask = valid[:, None, None, :]
+    prefills = []
+    for index in range(num_decodes, len(query_lens)):
+        context = context_lens[index]
+        slots = mask = None
+        if context > 0:
+            seq_len = seq_lens[index]
+            slots = _slots_for(block_tables[index : index + 1], seq_len, None, metadata)[0][0]
+            query_positions = torch.arange(context, seq_len, device=device).unsqueeze(1)
+            key_positions = torch.arange(seq_len, device=device).unsqueeze(0)
+            mask = key_positions <= query_positions
+        prefills.append(_PrefillChunk(starts[index], starts[index + 1], slots, mask))
+    return _StepPlan(num_decodes, decode_slots, decode_mask, prefills)
+
+
+def _slots_for(
+    block_tables: torch.Tensor,
+    length: int,
+    lengths: torch.Tensor | None,
+    metadata: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots of positions [0, length) for each row of block_tables, and a validity mask."""
+    device = block_tables.device
+    block_size = metadata.block_size
+    positions = torch.arange(length, device=device)
+    blocks = block_tables[:, positions // block_size]
+    slots = blocks * block_size + (positions % block_size)
+    if lengths is None:
+        return slots, torch.ones_like(slots, dtype=torch.bool)
+    return slots, positions.unsqueeze(0) < lengths.unsqueeze(1)

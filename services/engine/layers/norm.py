@@ -1,0 +1,35 @@
+"""RMSNorm with an optional fused residual add, the norm of every Llama-family block.
+
+`forward(x, residual)` adds the residual first and returns (normed, new_residual): the same
+contract as vLLM's fused kernel, so a CUDA backend can swap in one kernel for both steps.
+The arithmetic follows Hugging Face (variance in float32, cast back before the weight).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension with a learned scale."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        hidden = x.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.eps)
+        return self.weight * hidden.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (norm(x + residual), x + residual); with no residual, (norm(x), x)."""
+        if residual is not None:
+            x = x + residual
+        return self.normalize(x), x

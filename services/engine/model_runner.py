@@ -1,0 +1,178 @@
+"""ModelRunner: owns the weights, the paged KV cache and the attention backend; runs one step.
+
+`execute(batch)` turns the scheduler's ScheduledBatch into flat tensors (token ids, positions,
+cache slots, per-sequence offsets and lengths, padded block tables), runs the model over the
+paged cache, and returns float32 logits only for the sequences that sample this step (the LM
+head runs on those rows alone). Host-side preparation is a handful of list operations and one
+tensor per field, so the per-step overhead stays small at batch 1 and batch 32 alike.
+
+Defaults: float32 on CPU, bfloat16 on CUDA; KV budget per kv_cache.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.common.errors import InvalidArgumentError
+from services.common.model_files import ModelFiles
+from services.engine.backends.base import get_backend
+from services.engine.forward_batch import ScheduledBatch
+from services.engine.kv_cache import KVCache
+from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.loader.dummy_shapes import dummy_config
+from services.engine.loader.weights import build_model
+from services.engine.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """One model on one device with its KV cache; `execute` runs a scheduled step."""
+
+    def __init__(
+        self,
+        model_files: ModelFiles,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.85,
+        max_model_len: int | None = None,
+        backend: str = "torch",
+        seed: int = 0,
+    ) -> None:
+        self.model_files = model_files
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidArgumentError("device 'cuda' requested but CUDA is not available")
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.block_size = block_size
+        self.model_config = _load_config(model_files, max_model_len)
+        config = self.model_config
+        torch.manual_seed(seed)
+        self.model = build_model(
+            config,
+            weights_dir=model_files.weights_dir,
+            device=self.device,
+            dtype=self.dtype,
+            seed=seed,
+        )
+        backend_cls = get_backend(backend)
+        self.backend_name = backend
+        self.backend = backend_cls(
+            config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5
+        )
+        self.kv_cache = KVCache.allocate(
+            config,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=self.device,
+            kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        self.num_blocks = self.kv_cache.num_blocks
+        self.model.bind_attention(self.backend, self.kv_cache.layers)
+        logger.info(
+            "model %s on %s (%s): %d KV blocks of %d tokens, backend %s",
+            config.name,
+            self.device,
+            self.dtype,
+            self.num_blocks,
+            block_size,
+            backend,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step; float32 logits [batch.num_logits, vocab_size] on self.device."""
+        if not batch.sequences:
+            return torch.empty((0, self.model_config.vocab_size), device=self.device)
+        input_ids, positions, metadata = self.prepare_inputs(batch)
+        self.backend.prepare(metadata)
+        hidden = self.model(input_ids, positions, metadata)
+        if metadata.logits_indices.numel() == 0:
+            return torch.empty((0, self.model_config.vocab_size), device=self.device)
+        selected = hidden.index_select(0, metadata.logits_indices)
+        return self.model.compute_logits(selected).float()
+
+    def prepare_inputs(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat tensors of one step: token ids, positions and the attention metadata."""
+        block_size = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        max_blocks = 0
+        for seq in batch.sequences:
+            count = len(seq.token_ids)
+            start, end = seq.start_position, seq.start_position + count
+            if count == 0:
+                raise InvalidArgumentError(f"sequence {seq.seq_id} schedules no tokens")
+            if len(seq.block_table) * block_size < end:
+                raise InvalidArgumentError(
+                    f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {end} tokens"
+                )
+            if end > self.model_config.max_model_len:
+                raise InvalidArgumentError(
+                    f"sequence {seq.seq_id} reaches {end} tokens, over max_model_len "
+                    f"{self.model_config.max_model_len}"
+                )
+            token_ids.extend(seq.token_ids)
+            if count == 1:
+                positions.append(start)
+                slots.append(seq.block_table[start // block_size] * block_size + start % block_size)
+            else:
+                table = seq.block_table
+                span = range(start, end)
+                positions.extend(span)
+                slots.extend(
+                    table[pos // block_size] * block_size + pos % block_size for pos in span
+                )
+            query_start_loc.append(query_start_loc[-1] + count)
+            seq_lens.append(end)
+            context_lens.append(start)
+            if seq.needs_logits:
+                logits_indices.append(query_start_loc[-1] - 1)
+            max_blocks = max(max_blocks, len(seq.block_table))
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
+        tables = [
+            seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.sequences
+        ]
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            max_query_len=max(len(seq.token_ids) for seq in batch.sequences),
+            max_seq_len=max(seq_lens),
+            is_pure_decode=all(len(seq.token_ids) == 1 for seq in batch.sequences),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            block_size=block_size,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
+        return input_ids, position_tensor, metadata
+
+
+def _load_config(files: ModelFiles, max_model_len: int | None) -> ModelConfig:
+    if files.weights_dir is None:
+        if files.dummy_shape is None:
+            raise InvalidArgumentError(f"model {files.name!r} has neither weights nor a shape")
+        return ModelConfig.from_dict(
+            dummy_config(files.dummy_shape), name=files.name, max_model_len=max_model_len
+        )
+    return ModelConfig.from_directory(
+        files.weights_dir, name=files.name, max_model_len=max_model_len
+    )

@@ -1,0 +1,237 @@
+"""The Llama-family decoder (Llama 1/2/3.x, Mistral, Qwen2/2.5, Qwen3) over flat token batches.
+
+Input is one flat batch: token ids [T] and absolute positions [T] of every sequence's tokens
+this step, with an AttentionMetadata saying where each sequence starts and where its K/V live.
+Projections are fused for speed and for future kernels: q/k/v in one matmul (weights
+concatenated at load) and gate/up in one. Family differences come from ModelConfig flags
+(q/k/v bias, per-head q/k norm, rope scaling, tied embeddings), never from forked copies.
+`load_weights` maps Hugging Face tensor names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.errors import FailedPreconditionError
+from services.engine.backends.base import AttentionBackend
+from services.engine.layers.activation import SiluAndMul
+from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.layers.norm import RMSNorm
+from services.engine.layers.rotary import RotaryEmbedding
+from services.engine.models.config import ModelConfig
+
+# HF name fragment → (fused parameter fragment, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional q/k norm, rotary embedding, paged attention, output proj."""
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+        self.backend: AttentionBackend | None = None
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(-1, self.num_heads, self.head_dim)
+        key = key.view(-1, self.num_kv_heads, self.head_dim)
+        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            query = self.q_norm.normalize(query)
+            key = self.k_norm.normalize(key)
+        query, key = self.rotary(positions, query, key)
+        if self.backend is None or self.key_cache is None or self.value_cache is None:
+            raise FailedPreconditionError("attention layer has no KV cache bound")
+        out = self.backend.forward(query, key, value, self.key_cache, self.value_cache, metadata)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+        self.act = SiluAndMul()
+        self.intermediate_size = config.intermediate_size
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried alongside and added inside the norms."""
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One table of cos/sin shared by all layers (not a parameter: not in state dicts).
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling
+        )
+        self.rotary = rotary
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head; the head runs only on the rows that sample (logits_indices)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def bind_attention(
+        self, backend: AttentionBackend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Give every layer the shared backend and its own (key, value) cache tensors."""
+        for layer, (key_cache, value_cache) in zip(self.attention_layers, kv_caches, strict=True):
+            layer.backend = backend
+            layer.key_cache = key_cache
+            layer.value_cache = value_cache
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every token in the flat batch."""
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; returns the names of those loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the head
+            target, shard = _fused_target(hf_name)
+            if target not in params:
+                raise FailedPreconditionError(
+                    f"checkpoint tensor {hf_name!r} has no place in model"
+                )
+            param = params[target]
+            if shard is None:
+                _copy_checked(param.data, tensor, hf_name)
+            else:
+                owner = self.get_submodule(target.rsplit(".", 2)[0])
+                sizes = owner.shard_sizes(target)  # type: ignore[operator]
+                offset = sum(sizes[:shard])
+                _copy_checked(param.data.narrow(0, offset, sizes[shard]), tensor, hf_name)
+                loaded.add(f"{target}#{shard}")
+                continue
+            loaded.add(target)
+        return loaded
+
+    def expected_weight_names(self) -> set[str]:
+        """What load_weights must have filled for the model to be complete."""
+        names: set[str] = set()
+        for name, param in self.named_parameters():
+            del param
+            fragment = name.split(".")[-2] if "." in name else name
+            if fragment == "qkv_proj":
+                names.update(f"{name}#{index}" for index in range(3))
+            elif fragment == "gate_up_proj":
+                names.update(f"{name}#{index}" for index in range(2))
+            else:
+                names.add(name)
+        return names
+
+
+def _fused_target(hf_name: str) -> tuple[str, int | None]:
+    for fragment, (fused, shard) in _FUSED.items():
+        if f".{fragment}." in hf_name:
+            return hf_name.replace(f".{fragment}.", f".{fused}."), shard
+    return hf_name, None
+
+
+def _copy_checked(destination: torch.Tensor, source: torch.Tensor, name: str) -> None:
+    if tuple(destination.shape) != tuple(source.shape):
+        raise FailedPreconditionError(
+            f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, "
+            f"model expects {tuple(destination.shape)}"
+        )
+    destination.copy_(source.to(destination.dtype))

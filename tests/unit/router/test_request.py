@@ -1,0 +1,102 @@
+"""Request lifecycle: legal transitions, channel semantics, merging, deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.common.errors import DeadlineExceededError
+from services.engine.sampling_params import SamplingParams
+from services.router.request import (
+    IllegalTransitionError,
+    OutputPiece,
+    RequestState,
+    RouterRequest,
+    merge_pieces,
+)
+
+
+def make(deadline: float | None = None) -> RouterRequest:
+    return RouterRequest("r1", "client", [1, 2, 3], SamplingParams(), deadline=deadline)
+
+
+def test_state_machine_edges() -> None:
+    request = make()
+    assert request.state is RequestState.QUEUED
+    request.mark_running("engine-a")
+    assert request.engine_id == "engine-a"
+    with pytest.raises(IllegalTransitionError):
+        request.transition(RequestState.QUEUED)
+    request.push(OutputPiece(token_ids=[5], finish_reason=1))
+    assert request.finished
+    with pytest.raises(IllegalTransitionError):
+        request.transition(RequestState.RUNNING)
+
+
+def test_pieces_after_finish_are_dropped_and_fail_is_once() -> None:
+    request = make()
+    request.push(OutputPiece(text="a", token_ids=[1], finish_reason=1))
+    request.push(OutputPiece(text="b", token_ids=[2]))
+    assert request.fail(DeadlineExceededError("late")) is False
+    assert request.completion_tokens == 1
+
+
+def test_channel_merges_pending_pieces_and_ends() -> None:
+    async def scenario() -> None:
+        request = make()
+        request.push(OutputPiece(text="he", token_ids=[1]))
+        request.push(
+            OutputPiece(text="llo", token_ids=[2, 3], finish_reason=2, completion_tokens=3)
+        )
+        piece = await request.next_piece()
+        assert piece.text == "hello" and piece.token_ids == [1, 2, 3]
+        assert piece.finish_reason == 2 and piece.completion_tokens == 3
+        assert await request.next_piece() is None
+
+    asyncio.run(scenario())
+
+
+def test_consumer_wakes_on_push_and_on_error() -> None:
+    async def scenario() -> None:
+        request = make()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, request.push, OutputPiece(text="x", token_ids=[9]))
+        assert (await request.next_piece(timeout=1.0)).text == "x"
+        loop.call_later(0.01, request.fail, DeadlineExceededError("gone"))
+        with pytest.raises(DeadlineExceededError):
+            await request.next_piece(timeout=1.0)
+
+    asyncio.run(scenario())
+
+
+def test_timeout_when_nothing_arrives() -> None:
+    async def scenario() -> None:
+        with pytest.raises(TimeoutError):
+            await make().next_piece(timeout=0.01)
+
+    asyncio.run(scenario())
+
+
+def test_deadline_helpers() -> None:
+    request = make(deadline=time.monotonic() + 10)
+    assert not request.expired()
+    assert request.expired(now=request.deadline + 0.001)
+    assert 9 < request.remaining() <= 10
+    assert make().remaining() is None and not make().expired()
+
+
+def test_merge_keeps_last_ending() -> None:
+    merged = merge_pieces(
+        [
+            OutputPiece(text="a", token_ids=[1]),
+            OutputPiece(text="b", token_ids=[2], matched_stop="b", finish_reason=3),
+        ]
+    )
+    assert (merged.text, merged.token_ids, merged.finish_reason, merged.matched_stop) == (
+        "ab",
+        [1, 2],
+        3,
+        "b",
+    )

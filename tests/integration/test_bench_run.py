@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from loadtest.cli import main
 
@@ -77,3 +82,47 @@ def test_cancelled_streams_are_recorded_and_the_stack_keeps_serving(
     assert all(0 < r["output_tokens"] < 24 for r in cancelled)
     after = _bench(router_address, tmp_path / "after.json", "--num-requests", "2")
     assert [r["status"] for r in after["requests"]] == ["OK", "OK"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_router_and_engine_metrics_are_scraped_and_plotted(
+    stack_factory: Callable[..., Any], tmp_path: Path
+) -> None:
+    router_port, engine_port = _free_port(), _free_port()
+    stack = stack_factory(
+        router_args=("--metrics-port", str(router_port)),
+        engine_args=(
+            "--kv-cache-bytes", str(64 * 1024 * 1024), "--max-num-seqs", "16",
+            "--metrics-port", str(engine_port),
+        ),
+    )  # fmt: skip
+    urls = f"http://127.0.0.1:{router_port}/metrics,http://127.0.0.1:{engine_port}/metrics"
+    report = _bench(
+        stack.router_address,
+        tmp_path / "scraped.json",
+        "--num-requests",
+        "10",
+        "--rate",
+        "10",
+        "--output-mean",
+        "16",
+        "--metrics-url",
+        urls,
+        "--scrape-interval",
+        "0.2",
+    )
+    assert {r["status"] for r in report["requests"]} == {"OK"}
+    scrapes = report["server_metrics"]["scrapes"]
+    router_values = [s["values"] for s in scrapes if str(router_port) in s["url"]]
+    engine_values = [s["values"] for s in scrapes if str(engine_port) in s["url"]]
+    assert router_values and engine_values
+    assert router_values[-1]["sluice_router_admitted_requests_total"] >= 10
+    assert "sluice_router_queue_depth_requests" in router_values[-1]
+    assert max(v["sluice_engine_kv_blocks_used"] for v in engine_values) > 0
+    assert (tmp_path / "scraped_kv.png").stat().st_size > 1000

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from services.common.errors import InvalidArgumentError
@@ -80,14 +81,14 @@ class EngineRecord:
 class EngineRegistration:
     """Keeps one engine's record alive in the store (module docstring).
 
-    `snapshot()` is called before each refresh to get the current record (load, adapters);
-    its `updated_at` is stamped here.
+    `snapshot()` (plain or async) is called before each refresh to get the current record (load,
+    adapters); its `updated_at` is stamped here.
     """
 
     def __init__(
         self,
         store: SharedStore,
-        snapshot: Callable[[], EngineRecord],
+        snapshot: Callable[[], EngineRecord | Awaitable[EngineRecord]],
         *,
         ttl_s: float = DEFAULT_TTL_S,
         refresh_s: float | None = None,
@@ -107,7 +108,10 @@ class EngineRegistration:
 
     async def publish(self) -> EngineRecord:
         """Write the record now (raises StoreUnavailableError when the store is down)."""
-        record = replace(self.snapshot(), updated_at=time.time())
+        current = self.snapshot()
+        if inspect.isawaitable(current):
+            current = await current
+        record = replace(current, updated_at=time.time())
         await self.store.set(record.key, record.to_json(), ttl_s=self.ttl_s)
         self.last_record = record
         return record

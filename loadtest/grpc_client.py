@@ -8,6 +8,8 @@ requests inside the client where the harness could not see it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable
 
@@ -17,6 +19,7 @@ from loadtest.datasets import RequestSpec
 from loadtest.records import RequestRecord
 from protos.sluice.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+_CONNECT_TIMEOUT_S = 5.0
 _FINISH_NAMES = {
     value.number: value.name.removeprefix("FINISH_REASON_")
     for value in common_pb2.FinishReason.DESCRIPTOR.values
@@ -34,8 +37,10 @@ class GrpcClient:
         timeout_s: float | None = None,
         temperature: float = 0.0,
         api_key: str | None = None,
+        connect_timeout_s: float = _CONNECT_TIMEOUT_S,
     ) -> None:
         self._target = target
+        self._connect_timeout_s = connect_timeout_s
         self._channel_count = max(1, channels)
         self._timeout_s = timeout_s
         self._temperature = temperature
@@ -51,6 +56,13 @@ class GrpcClient:
             channel_options = [*options, ("grpc.use_local_subchannel_pool", 1)]
             self._channels.append(grpc.aio.insecure_channel(self._target, options=channel_options))
         self._stubs = itertools.cycle([router_pb2_grpc.RouterStub(c) for c in self._channels])
+        # Connect before the schedule starts, so the first requests don't pay for it; a target
+        # that is down is not an error here: its requests will record UNAVAILABLE.
+        await asyncio.gather(*(self._wait_ready(c) for c in self._channels))
+
+    async def _wait_ready(self, channel: grpc.aio.Channel) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(channel.channel_ready(), timeout=self._connect_timeout_s)
 
     async def close(self) -> None:
         """Close every channel."""

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgumentError
@@ -33,8 +33,13 @@ class RegistryChange:
     """What one poll changed."""
 
     joined: tuple[EngineRecord, ...] = ()
-    updated: tuple[EngineRecord, ...] = ()
+    updated: tuple[EngineRecord, ...] = ()  # refreshed records (load, adapters, address)
     left: tuple[EngineRecord, ...] = ()
+    moved: tuple[EngineRecord, ...] = ()  # the subset of `updated` with a new address
+
+    @property
+    def addresses_changed(self) -> bool:
+        return bool(self.joined or self.left or self.moved)
 
     @property
     def empty(self) -> bool:
@@ -112,12 +117,19 @@ class EngineRegistry:
             for engine_id, record in fresh.items()
             if engine_id in old and record.updated_at != old[engine_id].updated_at
         )
+        moved = tuple(
+            record
+            for engine_id, record in fresh.items()
+            if engine_id in old and record.address != old[engine_id].address
+        )
         self._engines = fresh
+        for record in moved:
+            log.info("engine %s moved to %s", record.engine_id, record.address)
         for record in joined:
             log.info("engine %s joined at %s", record.engine_id, record.address)
         for record in left:
             log.info("engine %s left (%s)", record.engine_id, record.address)
-        return RegistryChange(joined, updated, left)
+        return RegistryChange(joined, updated, left, moved)
 
     def _notify(self, change: RegistryChange) -> None:
         self.changed.set()
@@ -163,3 +175,29 @@ class EngineRegistry:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+class RegistryDiscovery:
+    """The router's `EngineDiscovery` (services/router/discovery.py) backed by the registry.
+
+    `addresses()` is the registry's current view (the last known one while Redis is down).
+    `follow(refresh)` calls `refresh()` (e.g. `EnginePool.refresh`) after every change, so
+    engines that join, restart on a new address or leave are picked up without a restart.
+    """
+
+    def __init__(self, registry: EngineRegistry) -> None:
+        self.registry = registry
+        self._refresh_tasks: set[asyncio.Task[None]] = set()
+
+    async def addresses(self) -> tuple[str, ...]:
+        return tuple(self.registry.addresses())
+
+    def follow(self, refresh: Callable[[], Awaitable[None]]) -> None:
+        def on_change(change: RegistryChange) -> None:
+            if not change.addresses_changed:
+                return  # a load-only refresh: the address set is unchanged
+            task = asyncio.get_running_loop().create_task(refresh())
+            self._refresh_tasks.add(task)
+            task.add_done_callback(self._refresh_tasks.discard)
+
+        self.registry.add_listener(on_change)

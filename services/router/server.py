@@ -22,7 +22,7 @@ from protos.sluice.v1 import router_pb2, router_pb2_grpc
 from services.common import metrics
 from services.common.config import describe
 from services.common.errors import DeadlineExceededError, SluiceError
-from services.common.grpc_server import start_server
+from services.common.grpc_server import RunningServer, start_server
 from services.router.config import RouterConfig
 from services.router.convert import response_pb
 from services.router.core import RouterCore
@@ -91,8 +91,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return response
 
 
-async def serve(config: RouterConfig, *, stop: asyncio.Event | None = None) -> int:
-    """Run the router until SIGTERM/SIGINT (or `stop` is set), drain, and return 0."""
+async def start(config: RouterConfig) -> tuple[RouterCore, RunningServer]:
+    """Start the core and the gRPC server (health follows the core's readiness)."""
     core = RouterCore(config)
     servicer = RouterServicer(core)
     server = await start_server(
@@ -109,8 +109,25 @@ async def serve(config: RouterConfig, *, stop: asyncio.Event | None = None) -> i
         task.add_done_callback(pending_health.discard)
 
     core.on_readiness = on_readiness
-    metrics.start_metrics_server(config.metrics_port)
     await core.start()
+    return core, server
+
+
+async def shutdown(core: RouterCore, server: RunningServer, grace_s: float) -> bool:
+    """Drain (stop admitting, let in-flight requests finish within `grace_s`), then stop."""
+    drained = await core.drain(grace_s)
+    if not drained:
+        log.warning("grace period over with %d requests still in flight", len(core.active))
+    await server.stop(0.5)
+    await core.close()
+    return drained
+
+
+async def serve(config: RouterConfig, *, stop: asyncio.Event | None = None) -> int:
+    """Run the router until SIGTERM/SIGINT (or `stop` is set), drain, and return 0."""
+    metrics.start_metrics_server(config.metrics_port)
+    core, server = await start(config)
+    loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -118,11 +135,7 @@ async def serve(config: RouterConfig, *, stop: asyncio.Event | None = None) -> i
     print(f"router listening on {config.host}:{server.port}", flush=True)
     await stop.wait()
     log.info("shutting down")
-    drained = await core.drain(config.grace)
-    if not drained:
-        log.warning("grace period over with %d requests still in flight", len(core.active))
-    await server.stop(0.5)
-    await core.close()
+    await shutdown(core, server, config.grace)
     return 0
 
 

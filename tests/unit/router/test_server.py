@@ -1,0 +1,285 @@
+"""The router servicer end to end over real gRPC, against in-process fake engine/tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.sluice.v1 import (
+    common_pb2,
+    engine_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    tokenizer_pb2_grpc,
+)
+from services.router.config import RouterConfig
+from services.router.server import shutdown, start
+from tests.unit.router.fakes import FakeEngine, FakeTokenizer, generated_text, start_fake
+
+
+class Stack:
+    def __init__(self, engine: FakeEngine, tokenizer: FakeTokenizer) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+
+    def params(self, **kwargs) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(temperature=0.0, **kwargs)
+
+    async def collect(self, request: router_pb2.GenerateRequest, **kwargs):
+        return [r async for r in self.stub.Generate(request, **kwargs)]
+
+
+def run_stack(
+    test: Callable[[Stack], Awaitable[None]],
+    *,
+    engine: FakeEngine | None = None,
+    **config_fields,
+) -> None:
+    async def scenario() -> None:
+        fake_engine = engine or FakeEngine()
+        fake_tokenizer = FakeTokenizer()
+        engine_server, engine_port = await start_fake(
+            fake_engine, engine_pb2_grpc.add_EngineServicer_to_server
+        )
+        tokenizer_server, tokenizer_port = await start_fake(
+            fake_tokenizer, tokenizer_pb2_grpc.add_TokenizerServicer_to_server
+        )
+        config = RouterConfig(
+            port=0,
+            engines=(f"127.0.0.1:{engine_port}",),
+            tokenizer=f"127.0.0.1:{tokenizer_port}",
+            **config_fields,
+        )
+        core, server = await start(config)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        stack = Stack(fake_engine, fake_tokenizer)
+        stack.core, stack.server, stack.channel = core, server, channel
+        stack.engine_server = engine_server
+        stack.stub = router_pb2_grpc.RouterStub(channel)
+        stack.health = health_pb2_grpc.HealthStub(channel)
+        try:
+            for _ in range(200):
+                if core.serving:
+                    break
+                await asyncio.sleep(0.01)
+            assert core.serving
+            await test(stack)
+        finally:
+            await channel.close()
+            await shutdown(core, server, 1.0)
+            await engine_server.stop(None)
+            await tokenizer_server.stop(None)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def text_request(prompt: str = "hi", **params) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        prompt=prompt, params=common_pb2.SamplingParams(**{"temperature": 0.0, **params})
+    )
+
+
+def test_streams_one_response_per_step_with_usage() -> None:
+    async def check(stack: Stack) -> None:
+        responses = await stack.collect(text_request("hello", max_tokens=7))
+        assert "".join(r.text for r in responses) == generated_text(7)
+        assert sum(len(r.token_ids) for r in responses) == 7
+        last = responses[-1]
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (5, 7)
+        assert all(r.finish_reason == 0 for r in responses[:-1])
+        assert stack.core.active == set() and stack.core.running == {}
+        assert stack.tokenizer.state == {}
+
+    run_stack(check)
+
+
+def test_chat_and_token_id_inputs_and_list_models() -> None:
+    async def check(stack: Stack) -> None:
+        chat = router_pb2.GenerateRequest(
+            chat=common_pb2.ChatMessages(
+                messages=[common_pb2.ChatMessage(role="user", content="x")]
+            ),
+            params=stack.params(max_tokens=3),
+            request_id="mine",
+        )
+        responses = await stack.collect(chat)
+        assert responses[-1].usage.prompt_tokens == 1
+        assert {r.request_id for r in responses} == {"mine"}
+        ids = router_pb2.GenerateRequest(
+            prompt_token_ids=common_pb2.TokenIds(ids=[70, 71]), params=stack.params(max_tokens=2)
+        )
+        assert "".join(r.text for r in await stack.collect(ids)) == "ab"
+        models = await stack.stub.ListModels(router_pb2.ListModelsRequest())
+        assert models.models[0].name == "fake" and models.models[0].context_length == 128
+
+    run_stack(check)
+
+
+def test_stop_string_ends_stream_and_aborts_engine() -> None:
+    async def check(stack: Stack) -> None:
+        responses = await stack.collect(text_request(max_tokens=50, stop=["def"]))
+        assert "".join(r.text for r in responses) == "abc"
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP_STRING
+        assert responses[-1].matched_stop == "def"
+        await asyncio.sleep(0.05)
+        assert stack.engine.live == {}
+        assert len(stack.engine.aborted) == 1
+
+    run_stack(check)
+
+
+@pytest.mark.parametrize(
+    ("request_message", "code"),
+    [
+        (text_request(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT),
+        (text_request(temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT),
+        (text_request(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT),
+        (text_request("x" * 200, max_tokens=1), grpc.StatusCode.INVALID_ARGUMENT),
+        (text_request("x" * 100, max_tokens=100), grpc.StatusCode.INVALID_ARGUMENT),
+        (text_request(""), grpc.StatusCode.INVALID_ARGUMENT),
+        (router_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=[1, 999])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (router_pb2.GenerateRequest(prompt="a", adapter="nope"), grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_bad_requests_get_clear_status_and_stack_keeps_serving(request_message, code) -> None:
+    async def check(stack: Stack) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stack.collect(request_message)
+        assert info.value.code() == code
+        assert info.value.details()
+        ok = await stack.collect(text_request(max_tokens=2))
+        assert ok[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    run_stack(check)
+
+
+def test_queue_overflow_rejects_fast_with_retry_after() -> None:
+    slow = FakeEngine(step_s=0.05)
+
+    async def check(stack: Stack) -> None:
+        first = asyncio.ensure_future(stack.collect(text_request(max_tokens=6)))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(stack.collect(text_request(max_tokens=2)))
+        await asyncio.sleep(0.05)
+        assert len(stack.core.queue) == 1
+        started = time.perf_counter()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stack.collect(text_request(max_tokens=2))
+        elapsed = time.perf_counter() - started
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(info.value.trailing_metadata() or ())
+        assert float(trailers["retry-after"]) >= 0.25
+        assert elapsed < 0.05
+        assert (await first)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert (await second)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    run_stack(
+        check, engine=slow, max_inflight_per_engine=1, max_queued_requests=1, retry_after=0.25
+    )
+
+
+def test_deadline_while_queued_never_reaches_engine() -> None:
+    slow = FakeEngine(step_s=0.05)
+
+    async def check(stack: Stack) -> None:
+        first = asyncio.ensure_future(stack.collect(text_request(max_tokens=8)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stack.collect(text_request(max_tokens=2), timeout=0.1)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(0.05)
+        assert len(stack.core.queue) == 0
+        await first
+        assert len(stack.engine.submitted) == 1
+
+    run_stack(check, engine=slow, max_inflight_per_engine=1)
+
+
+def test_client_cancel_aborts_on_engine_and_frees_detokenizer() -> None:
+    slow = FakeEngine(step_s=0.01)
+
+    async def check(stack: Stack) -> None:
+        call = stack.stub.Generate(text_request(max_tokens=120))
+        seen = 0
+        async for _ in call:
+            seen += 1
+            if seen == 3:
+                break
+        call.cancel()
+        for _ in range(100):
+            if not stack.engine.live and not stack.core.active:
+                break
+            await asyncio.sleep(0.01)
+        assert stack.engine.live == {}
+        assert len(stack.engine.aborted) == 1
+        assert stack.tokenizer.cancelled == stack.engine.aborted
+        assert stack.core.running == {} and stack.core.active == set()
+
+    run_stack(check, engine=slow)
+
+
+def test_engine_gone_fails_in_flight_with_unavailable() -> None:
+    async def check(stack: Stack) -> None:
+        call = stack.stub.Generate(text_request(max_tokens=100))
+        await call.read()
+        await stack.engine_server.stop(None)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stack.collect(text_request(max_tokens=2))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        health = await stack.health.Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    run_stack(check, engine=FakeEngine(step_s=0.02))
+
+
+def test_api_keys(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("secret-1\n")
+
+    async def check(stack: Stack) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stack.collect(text_request(max_tokens=1))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stack.collect(text_request(max_tokens=1), metadata=(("x-api-key", "nope"),))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        good = (("authorization", "Bearer secret-1"),)
+        responses = await stack.collect(text_request(max_tokens=1), metadata=good)
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    run_stack(check, api_keys_file=str(keys))
+
+
+def test_drain_finishes_in_flight_and_refuses_new() -> None:
+    async def check(stack: Stack) -> None:
+        running = asyncio.ensure_future(stack.collect(text_request(max_tokens=30)))
+        await asyncio.sleep(0.02)
+        drain = asyncio.ensure_future(stack.core.drain(5.0))
+        await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stack.collect(text_request(max_tokens=2))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        responses = await running
+        assert "".join(r.text for r in responses) == generated_text(30)
+        assert await drain is True
+        health = await stack.health.Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    run_stack(check, engine=FakeEngine(step_s=0.01))

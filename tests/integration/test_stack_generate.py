@@ -1,0 +1,124 @@
+"""End to end through the real stack (router, tokenizer, engine processes) on the default model.
+
+Chat answers, greedy parity with the offline `LLM`, stop strings and UTF-8-safe streaming.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.client import Completion, SluiceClient
+
+PARITY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from services.common.model_files import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(None).tokenizer_dir))
+
+
+def stream(
+    client: SluiceClient, prompt: str | None = None, **kwargs: Any
+) -> tuple[list[str], Completion]:
+    deltas: list[str] = []
+    completion = Completion()
+    for response in client.generate(prompt, **kwargs):
+        deltas.append(response.text)
+        completion.add(response)
+    return deltas, completion
+
+
+def test_chat_names_paris_and_streams(client: SluiceClient) -> None:
+    deltas, completion = stream(
+        client,
+        chat=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32,
+        temperature=0.0,
+    )
+    assert "Paris" in completion.text
+    assert len([delta for delta in deltas if delta]) > 1, "the answer must arrive in pieces"
+    assert completion.finish_reason in ("stop", "length")
+    assert completion.completion_tokens == len(completion.token_ids) > 0
+    assert completion.prompt_tokens > 5
+
+
+def test_greedy_output_equals_the_offline_llm(client: SluiceClient) -> None:
+    from services.engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    offline = LLM(kv_cache_bytes=32 * 1024 * 1024).generate(PARITY_PROMPTS, params)
+    for prompt, expected in zip(PARITY_PROMPTS, offline, strict=True):
+        _, completion = stream(client, prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+        assert completion.token_ids == expected.token_ids, prompt
+        assert completion.text == expected.text, prompt
+        assert completion.finish_reason == "length"
+
+
+def test_stop_string_cuts_the_output_and_is_reported(client: SluiceClient) -> None:
+    chat = [("user", "Write a haiku about the sea.")]
+    _, full = stream(client, chat=chat, max_tokens=40, temperature=0.0)
+    words = full.text.split()
+    assert len(words) > 4, full.text
+    stop = words[3]  # a word from the middle, matched wherever it first appears
+    cut = full.text.index(stop)
+    _, stopped = stream(client, chat=chat, max_tokens=40, temperature=0.0, stop=[stop])
+    assert stopped.text == full.text[:cut]
+    assert stopped.finish_reason == "stop_string"
+    assert stopped.matched_stop == stop
+    _, kept = stream(
+        client,
+        chat=chat,
+        max_tokens=40,
+        temperature=0.0,
+        stop=[stop],
+        include_stop_str_in_output=True,
+    )
+    assert kept.text == full.text[: cut + len(stop)]
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "🎉🎉🎉🎉🎉🎉🎉🎉🎉🎉🎉🎉",
+        "你好你好你好你好你好你好你好你好",
+        "Emoji: 😀😃😄😁😆😅 again: 😀😃😄",
+    ],
+)
+def test_unicode_deltas_concatenate_to_the_full_decode(
+    client: SluiceClient, hf_tokenizer: Any, prompt: str
+) -> None:
+    deltas, completion = stream(client, prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = hf_tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    assert "".join(deltas) == full
+    # U+FFFD may only appear where the tokens themselves are not valid UTF-8 (e.g. a character
+    # cut by max_tokens at the very end), never because a character was split across deltas.
+    complete_prefix = full.rstrip("\ufffd")
+    assert "\ufffd" not in complete_prefix
+    assert any(ord(char) > 127 for char in full), full
+
+
+def test_unicode_sampling_never_splits_characters(client: SluiceClient, hf_tokenizer: Any) -> None:
+    """Random high-temperature tokens include byte-fallback pieces of multi-byte characters."""
+    for seed in range(3):
+        deltas, completion = stream(
+            client,
+            "日本語と絵文字 🎌🍣:",
+            max_tokens=32,
+            temperature=1.5,
+            seed=seed,
+            ignore_eos=True,
+        )
+        full = hf_tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        assert "".join(deltas) == full
+        if "\ufffd" not in full:
+            assert all("\ufffd" not in delta for delta in deltas)

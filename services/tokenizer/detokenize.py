@@ -7,13 +7,19 @@ TGI's prefix/read offsets, we decode a short window of recent tokens (which star
 tokens of context, the prompt's tail at first) and emit only the part past what was already
 emitted, holding back a trailing U+FFFD run until the character completes. The window is cut
 back to its last few tokens whenever its text ends cleanly, so each step costs O(new tokens)
-rather than O(sequence length), and the state is a handful of ids and one integer.
+rather than O(sequence length), and the state is a handful of ids and two integers. The cut
+lands only where the shorter window still decodes the same: on a character boundary (its text
+does not start with U+FFFD; a byte-fallback run is decoded as a whole, so this matters) and with
+the same trailing U+FFFD run.
 
 Invariant: the concatenation of all deltas plus `flush()` equals the decode of all tokens (with
-the same skip_special_tokens), except in the pathological case of more than
-`MAX_UNRESOLVED_TOKENS` tokens in a row that never form valid UTF-8, which are then emitted as
-U+FFFD to keep the window bounded. Ids outside the vocabulary (dummy models have larger
-vocabularies) decode to "".
+the same skip_special_tokens). Bytes that never form valid UTF-8 are emitted as the U+FFFD a full
+decode shows once the next character arrives, or at `flush()`; after `MAX_UNRESOLVED_TOKENS`
+tokens without new text they are emitted anyway, all but the last U+FFFD (exact for byte-level
+BPE, whose unfinished character is one U+FFFD; a bound on state for byte-fallback runs).
+One exception: a byte-fallback decoder turns a whole run of `<0x..>` tokens into U+FFFD once an
+invalid byte joins it, retroactively; characters of that run streamed earlier stay streamed.
+Ids outside the vocabulary (dummy models have larger vocabularies) decode to "".
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ from collections.abc import Callable, Sequence
 REPLACEMENT_CHARACTER = "\ufffd"
 # Tokens kept as context when the window is cut back; enough for leading-space rules.
 CONTEXT_TOKENS = 4
+# Prompt tokens searched for a clean starting context (a byte-fallback run may need several).
+PROMPT_TAIL_TOKENS = 8
 # The window is cut back once it holds this many tokens and its text ends cleanly.
 CUT_BACK_AT = 2 * CONTEXT_TOKENS + 2
-# A UTF-8 character is at most 4 bytes; this many tokens without completing one means the bytes
-# are invalid for good, and are emitted (as U+FFFD, exactly as a full decode shows them).
-MAX_UNRESOLVED_TOKENS = 16
+# Bound on tokens held while the text keeps ending in U+FFFD. Valid text resolves within a few
+# tokens (a byte-fallback run of CJK sent in misaligned chunks can take longer, so this is
+# generous); past it the bytes are treated as invalid for good and emitted as U+FFFD.
+MAX_UNRESOLVED_TOKENS = 512
 
 Decode = Callable[[list[int], bool], str]
 
@@ -35,7 +44,14 @@ Decode = Callable[[list[int], bool], str]
 class IncrementalDetokenizer:
     """Turns a stream of token ids into complete text deltas (see the module docstring)."""
 
-    __slots__ = ("_decode", "_vocab_size", "_skip_special_tokens", "_window", "_emitted", "_held")
+    __slots__ = (
+        "_decode",
+        "_vocab_size",
+        "_skip_special_tokens",
+        "_window",
+        "_emitted",
+        "_stalled",
+    )
 
     def __init__(
         self,
@@ -48,14 +64,21 @@ class IncrementalDetokenizer:
         self._decode = decode
         self._vocab_size = vocab_size
         self._skip_special_tokens = skip_special_tokens
-        window = [int(i) for i in prompt_tail_ids[-CONTEXT_TOKENS:] if 0 <= i < vocab_size]
-        text = decode(window, skip_special_tokens) if window else ""
-        if text.endswith(REPLACEMENT_CHARACTER):
-            # The prompt ends inside a character: no clean boundary to start from.
-            window, text = [], ""
+        tail = [int(i) for i in prompt_tail_ids[-PROMPT_TAIL_TOKENS:] if 0 <= i < vocab_size]
+        window: list[int] = []
+        text = ""
+        # Context must start on a character boundary and end cleanly; drop what does not.
+        for start in range(len(tail)):
+            candidate = tail[start:]
+            candidate_text = decode(candidate, skip_special_tokens)
+            if candidate_text.startswith(REPLACEMENT_CHARACTER):
+                continue
+            if not candidate_text.endswith(REPLACEMENT_CHARACTER):
+                window, text = candidate, candidate_text
+            break
         self._window: list[int] = window
         self._emitted = len(text)  # characters of decode(window) already emitted (or context)
-        self._held = 0  # tokens appended since the window's text last ended cleanly
+        self._stalled = 0  # tokens appended since the emitted text last grew
 
     @property
     def window_size(self) -> int:
@@ -72,18 +95,25 @@ class IncrementalDetokenizer:
         window.extend(new)
         text = self._decode(window, self._skip_special_tokens)
         end = len(text)
-        self._held += len(new)
-        if text.endswith(REPLACEMENT_CHARACTER) and self._held <= MAX_UNRESOLVED_TOKENS:
+        emitted = self._emitted
+        if text.endswith(REPLACEMENT_CHARACTER):
             end = len(text.rstrip(REPLACEMENT_CHARACTER))
+            if end > emitted:
+                self._stalled = 0
+            else:
+                self._stalled += len(new)
+                if self._stalled > MAX_UNRESOLVED_TOKENS:
+                    # Invalid for good; only the last U+FFFD may still become a character.
+                    end = len(text) - 1
         else:
-            self._held = 0
+            self._stalled = 0
         delta = ""
-        if end > self._emitted:
-            delta = text[self._emitted : end]
-            self._emitted = end
-        if self._held == 0 and len(window) >= CUT_BACK_AT:
-            self._window = window[-CONTEXT_TOKENS:]
-            self._emitted = len(self._decode(self._window, self._skip_special_tokens))
+        if end > emitted:
+            delta = text[emitted:end]
+            self._emitted = emitted = end
+        pending = len(text) - emitted
+        if len(window) >= CUT_BACK_AT and (pending == 0 or self._stalled > MAX_UNRESOLVED_TOKENS):
+            self._cut_back(text, pending)
         return delta
 
     def flush(self) -> str:
@@ -95,5 +125,22 @@ class IncrementalDetokenizer:
         delta = text[self._emitted :] if len(text) > self._emitted else ""
         self._window = []
         self._emitted = 0
-        self._held = 0
+        self._stalled = 0
         return delta
+
+    def _cut_back(self, text: str, pending: int) -> None:
+        """Keep only the last few tokens, starting on a character boundary, such that the
+        not-yet-emitted tail (`pending` U+FFFD characters) decodes the same way."""
+        trailing_run = len(text) - len(text.rstrip(REPLACEMENT_CHARACTER))
+        window = self._window
+        for keep in range(CONTEXT_TOKENS, min(len(window), CONTEXT_TOKENS + 4)):
+            candidate = window[-keep:]
+            candidate_text = self._decode(candidate, self._skip_special_tokens)
+            if candidate_text.startswith(REPLACEMENT_CHARACTER):
+                continue
+            candidate_run = len(candidate_text) - len(candidate_text.rstrip(REPLACEMENT_CHARACTER))
+            if candidate_run != trailing_run or len(candidate_text) < pending:
+                continue
+            self._window = candidate
+            self._emitted = len(candidate_text) - pending
+            return

@@ -16,7 +16,6 @@ Values are bytes or str (JSON by convention); nothing is pickled.
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -346,11 +345,10 @@ class MemoryStore(SharedStore):
         return True
 
     async def keys_with_prefix(self, prefix: str) -> list[str]:
-        pattern = _escape_glob(prefix) + "*"
         return [
             key
             for key in list(self._values)
-            if self._live(key) is not None and fnmatch.fnmatchcase(key, pattern.replace("\\", ""))
+            if key.startswith(prefix) and self._live(key) is not None
         ]
 
     async def hash_set(self, key: str, field_name: str, value: Value) -> None:

@@ -130,12 +130,22 @@ async def run_schedule(
         for spec, at in zip(specs, times_s, strict=True)
     ]
 
+    async def send(spec: RequestSpec, record: RequestRecord) -> None:
+        try:
+            await client.send(spec, record, clock)  # type: ignore[attr-defined]
+        except Exception as error:  # noqa: BLE001 - one broken request must not end the run
+            record.status = "UNKNOWN"
+            record.error = f"{type(error).__name__}: {error}"
+            if record.sent_s is None:
+                record.sent_s = clock()
+            record.finished_s = clock()
+
     async def one(spec: RequestSpec, record: RequestRecord) -> None:
         if slots is None:
-            await client.send(spec, record, clock)  # type: ignore[attr-defined]
+            await send(spec, record)
         else:
             async with slots:
-                await client.send(spec, record, clock)  # type: ignore[attr-defined]
+                await send(spec, record)
         if on_done is not None:
             on_done(record)
 

@@ -120,3 +120,24 @@ def test_two_worker_processes_merge_their_records() -> None:
     assert {r.worker for r in result.records} == {0, 1}
     assert all(r.status == "OK" for r in result.records)
     assert max(r.send_lag_s for r in result.records) < 0.1
+
+
+class _BrokenClient:
+    """A client whose send raises for odd indexes (a harness bug must not end the run)."""
+
+    async def send(self, spec: RequestSpec, record, clock) -> None:  # noqa: ANN001
+        record.sent_s = clock()
+        if spec.index % 2:
+            raise RuntimeError("boom")
+        record.add_chunk(clock(), 1)
+        record.finished_s = clock()
+        record.status = "OK"
+
+
+def test_a_client_exception_is_recorded_and_the_run_goes_on() -> None:
+    records = asyncio.run(
+        run_schedule(specs(4), [0.0, 0.0, 0.01, 0.01], _BrokenClient(), start_epoch_s=time.time())
+    )
+    assert [r.status for r in records] == ["OK", "UNKNOWN", "OK", "UNKNOWN"]
+    assert "boom" in records[1].error
+    assert records[1].finished_s is not None

@@ -154,3 +154,19 @@ def _ping(server: LocalRedisServer) -> bool:
             received += chunk
         return True
     return False
+
+
+def redis_for_stack(redis_url: str | None) -> tuple[str | None, LocalRedisServer | None]:
+    """What `sluice up` uses: the given URL; else a private server when the binary exists;
+    else (None, None), meaning the in-memory store (logged here, so it is said at start-up).
+    The caller stops the returned server on exit."""
+    if redis_url:
+        return redis_url, None
+    if find_redis_server() is None:
+        log.warning(
+            "redis-server is not installed and no --redis-url was given: using an in-memory "
+            "store (one router; registry, keys, limits and idempotency are not shared)"
+        )
+        return None, None
+    server = start_redis_server()
+    return server.url, server

@@ -153,7 +153,22 @@ class RedisStore(SharedStore):
         self._degraded = False
         self._probe_task: asyncio.Task[None] | None = None
         self._scripts: dict[str, Any] = {}
+        self._listeners: list[Callable[[bool], None]] = []
         self.last_error: str | None = None
+
+    def add_health_listener(self, listener: Callable[[bool], None]) -> None:
+        """Call `listener(degraded)` whenever the store goes down or comes back."""
+        self._listeners.append(listener)
+
+    def _set_degraded(self, degraded: bool) -> None:
+        if degraded == self._degraded:
+            return
+        self._degraded = degraded
+        for listener in list(self._listeners):
+            try:
+                listener(degraded)
+            except Exception:  # noqa: BLE001 - a listener must not break the store
+                log.exception("store health listener failed")
 
     @property
     def degraded(self) -> bool:
@@ -183,15 +198,15 @@ class RedisStore(SharedStore):
                 raise StoreUnavailableError(f"Redis at {self.url} unreachable: {exc!r}") from exc
             raise
         if self._degraded:
-            self._degraded = False
             log.warning("Redis at %s is reachable again", self.url)
+            self._set_degraded(False)
         return result
 
     def _mark_down(self, exc: BaseException) -> None:
         self.last_error = repr(exc)
         if not self._degraded:
-            self._degraded = True
             log.warning("Redis at %s unreachable (%r): running degraded", self.url, exc)
+            self._set_degraded(True)
         if self._probe_task is None or self._probe_task.done():
             try:
                 self._probe_task = asyncio.get_running_loop().create_task(self._probe())

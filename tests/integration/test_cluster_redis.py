@@ -15,7 +15,12 @@ from collections.abc import Iterator
 import pytest
 
 from services.common.errors import ResourceExhaustedError
-from services.common.redis_server import LocalRedisServer, find_redis_server, start_redis_server
+from services.common.redis_server import (
+    LocalRedisServer,
+    find_redis_server,
+    redis_for_stack,
+    start_redis_server,
+)
 from services.common.redis_store import (
     RedisStore,
     StoreConfig,
@@ -184,6 +189,8 @@ def test_registry_join_leave_and_degraded(redis_server: LocalRedisServer) -> Non
 def test_store_calls_fail_fast_while_paused(redis_server: LocalRedisServer) -> None:
     async def scenario() -> None:
         store = _store(redis_server, timeout_s=0.2)
+        transitions: list[bool] = []
+        store.add_health_listener(transitions.append)
         await store.set("sluice:test:b", "x")
         os.kill(redis_server.pid, signal.SIGSTOP)
         try:
@@ -198,7 +205,27 @@ def test_store_calls_fail_fast_while_paused(redis_server: LocalRedisServer) -> N
         while store.degraded and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # the background probe clears it without any traffic
         assert not store.degraded
+        assert transitions == [True, False]
         assert await store.get("sluice:test:b") == b"x"
         await store.close()
 
     asyncio.run(scenario())
+
+
+def test_redis_for_stack_starts_a_private_server_or_uses_the_url() -> None:
+    assert redis_for_stack("redis://example:1/0") == ("redis://example:1/0", None)
+    url, server = redis_for_stack(None)
+    assert server is not None and url == server.url and ":" + server.password + "@" in url
+    try:
+
+        async def ping() -> bool:
+            store = open_store(StoreConfig(redis_url=url))
+            try:
+                return await store.ping()
+            finally:
+                await store.close()
+
+        assert asyncio.run(ping())
+    finally:
+        server.stop()
+    assert not server.running() and not server.directory.exists()

@@ -15,6 +15,8 @@ with UNAVAILABLE (they can't be checked) rather than let through.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -188,4 +190,77 @@ class ApiKeyStore:
             raise UnauthenticatedError("invalid API key")
         record = ApiKeyRecord.from_json(raw)
         self._cache[digest] = (record, self._clock())
+        return record
+
+
+class MirroredKeyAuthenticator:
+    """A synchronous `check(metadata)` for the router, over a local mirror of the key table.
+
+    The router's admission path checks keys synchronously (like services/router/auth.py's
+    `ApiKeyAuthenticator`, whose `enabled`/`check` this mirrors, so it can be passed as
+    `RouterCore(authenticator=...)`). The mirror (digests and records; never raw keys) is
+    reloaded from the store every `refresh_s`: a new key works, and a revoked key stops working,
+    on every router within that time. While the store is unreachable the last mirror keeps
+    serving (known keys keep working); before the first successful load every call is refused
+    with UNAVAILABLE.
+    """
+
+    enabled = True
+
+    def __init__(self, keys: ApiKeyStore, *, refresh_s: float = 2.0) -> None:
+        if not refresh_s > 0:
+            raise InvalidArgumentError("refresh_s must be > 0")
+        self.keys = keys
+        self.refresh_s = refresh_s
+        self._records: dict[str, ApiKeyRecord] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.degraded = False
+
+    async def refresh(self) -> None:
+        """Reload the mirror now (raises StoreUnavailableError when the store is down)."""
+        try:
+            await self.keys._get_pepper()
+            entries = await self.keys.store.hash_get_all(KEYS_HASH)
+        except StoreUnavailableError:
+            self.degraded = True
+            raise
+        self.degraded = False
+        self._records = {digest: ApiKeyRecord.from_json(raw) for digest, raw in entries.items()}
+
+    async def start(self) -> None:
+        with contextlib.suppress(StoreUnavailableError):
+            await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except StoreUnavailableError:
+                continue
+            except Exception:  # noqa: BLE001 - keep the mirror alive
+                log.exception("API key mirror refresh failed")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> ApiKeyRecord:
+        """The caller's key record; UnauthenticatedError if missing or unknown."""
+        raw_key = key_from_metadata(metadata or ())
+        if not raw_key:
+            raise UnauthenticatedError(
+                "missing API key: send 'authorization: Bearer <key>' or 'x-api-key' metadata"
+            )
+        pepper = self.keys._pepper
+        if self._records is None or pepper is None:
+            raise UnavailableError("API keys not loaded yet (Redis unreachable); retry shortly")
+        digest = hmac.new(pepper, raw_key.encode(), hashlib.sha256).hexdigest()
+        record = self._records.get(digest)
+        if record is None:
+            raise UnauthenticatedError("invalid API key")
         return record

@@ -10,9 +10,16 @@ from services.common.errors import (
     InvalidArgumentError,
     NotFoundError,
     UnauthenticatedError,
+    UnavailableError,
 )
 from services.common.redis_store import MemoryStore
-from services.router.api_keys import KEYS_HASH, ApiKeyConfig, ApiKeyStore, key_from_metadata
+from services.router.api_keys import (
+    KEYS_HASH,
+    ApiKeyConfig,
+    ApiKeyStore,
+    MirroredKeyAuthenticator,
+    key_from_metadata,
+)
 from services.router.rate_limit import RateLimits
 
 
@@ -76,3 +83,27 @@ def test_key_from_metadata() -> None:
     assert key_from_metadata([("x-api-key", " sk-3 ")]) == "sk-3"
     assert key_from_metadata([("authorization", "Basic abc")]) is None
     assert key_from_metadata([]) is None
+
+
+def test_mirrored_authenticator_follows_adds_and_revokes() -> None:
+    async def scenario() -> None:
+        store = MemoryStore()
+        admin = ApiKeyStore(store)
+        mirror = MirroredKeyAuthenticator(ApiKeyStore(store), refresh_s=0.02)
+        with pytest.raises(UnavailableError):
+            mirror.check([("x-api-key", "sk-sluice-x")])  # nothing loaded yet
+        await mirror.start()
+        raw, record = await admin.add("svc", RateLimits(3, 0))
+        with pytest.raises(UnauthenticatedError):
+            mirror.check([])
+        await asyncio.sleep(0.1)
+        assert mirror.check([("authorization", f"Bearer {raw}")]).key_id == record.key_id
+        with pytest.raises(UnauthenticatedError):
+            mirror.check([("authorization", f"Bearer {raw}x")])
+        await admin.revoke(record.key_id)
+        await asyncio.sleep(0.1)
+        with pytest.raises(UnauthenticatedError):
+            mirror.check([("x-api-key", raw)])
+        await mirror.stop()
+
+    asyncio.run(scenario())

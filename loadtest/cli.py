@@ -46,8 +46,23 @@ def _load_tokenizer(path: str | None) -> object | None:
     return AutoTokenizer.from_pretrained(path)
 
 
+def _fit_to_served_model(config: BenchConfig) -> BenchConfig:
+    """Keep synthetic token ids inside a Sluice target's vocabulary (asked with ListModels)."""
+    if config.target is None:
+        return config
+    from loadtest.grpc_client import served_model
+
+    model = served_model(config.target, api_key=config.api_key)
+    if model is None or not model.vocab_size or model.vocab_size >= config.vocab_limit:
+        return config
+    limit = max(101, model.vocab_size)
+    tqdm.write(f"vocab-limit lowered to {limit}: {model.name} has {model.vocab_size} tokens")
+    return dataclasses.replace(config, vocab_limit=limit)
+
+
 def run_bench(config: BenchConfig) -> int:
     """Run one load test; print the summary; write the report when --out is set."""
+    config = _fit_to_served_model(config)
     num_requests = config.num_requests
     if num_requests is None and config.duration is None:
         num_requests = _DEFAULT_NUM_REQUESTS

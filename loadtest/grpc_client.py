@@ -123,3 +123,18 @@ class GrpcClient:
             record.error = record.error or "finish_reason ERROR"
         if usage_tokens is not None and record.status == "OK":
             record.output_tokens = max(record.output_tokens, usage_tokens)
+
+
+def served_model(
+    target: str, *, api_key: str | None = None, timeout_s: float = 5.0
+) -> router_pb2.ModelInfo | None:
+    """The router's served model (ListModels), or None when it can't say (down, no engine)."""
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    try:
+        with grpc.insecure_channel(target) as channel:
+            response = router_pb2_grpc.RouterStub(channel).ListModels(
+                router_pb2.ListModelsRequest(), timeout=timeout_s, metadata=metadata
+            )
+    except grpc.RpcError:
+        return None
+    return response.models[0] if response.models else None

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from loadtest.cli import main
+from loadtest.grpc_client import served_model
 
 
 def _bench(router_address: str, out: Path, *extra: str) -> dict:
@@ -58,6 +59,9 @@ def test_short_run_all_ok_small_lag_files_written(router_address: str, tmp_path:
     assert (tmp_path / "bench.md").exists()
     for suffix in ("latency_cdf", "throughput", "queue"):
         assert (tmp_path / f"bench_{suffix}.png").stat().st_size > 1000
+    # The harness asks the router for the vocabulary to keep synthetic ids inside it.
+    model = served_model(router_address)
+    assert model is not None and model.vocab_size > 100
 
 
 def test_cancelled_streams_are_recorded_and_the_stack_keeps_serving(

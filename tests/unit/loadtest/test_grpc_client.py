@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from loadtest.datasets import RequestSpec
-from loadtest.grpc_client import GrpcClient
+from loadtest.grpc_client import GrpcClient, served_model
 from loadtest.runner import LagMonitor, run_schedule
 
 
@@ -55,3 +55,7 @@ def test_lag_monitor_warns_when_sends_fall_behind_but_not_repeatedly() -> None:
     monitor.observe(2, 0.6)  # within the quiet period: not repeated
     assert len(messages) == 1
     assert "500.0 ms" in messages[0] and "--workers" in messages[0]
+
+
+def test_served_model_of_an_unreachable_router_is_none() -> None:
+    assert served_model("127.0.0.1:9", timeout_s=1.0) is None

@@ -3,8 +3,9 @@
 One Ray start for the whole module (it is slow on a shared 2-core machine): an `EngineWorker`
 actor with a tiny random-weight model serves Engine.Info on its address and appears in the
 registry; `kill -9` of its process mid-stream ends the stream with UNAVAILABLE within 2 s; Ray
-restarts the actor, which re-registers under the same engine id and serves again; a clean stop
-deregisters it.
+restarts the actor, which re-registers under the same engine id and serves again. Then a router
+that finds engines only through the registry (RegistryDiscovery) serves through Redis being
+paused and through another kill -9 of the engine. A clean stop deregisters the engine.
 """
 
 from __future__ import annotations
@@ -18,13 +19,19 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from services.common.grpc_server import start_server
 from services.common.redis_server import LocalRedisServer, find_redis_server, start_redis_server
 from services.common.redis_store import StoreConfig, open_store
 from services.engine.config import EngineConfig
 from services.engine.worker_config import WorkerConfig, WorkerNetworkConfig
 from services.ray_cluster import RayCluster, RayClusterConfig
-from services.router.registry import EngineRegistry
+from services.router.config import RouterConfig
+from services.router.core import RouterCore
+from services.router.registry import EngineRegistry, RegistryDiscovery
+from services.router.server import RouterServicer
+from services.tokenizer import server as tokenizer_server
+from services.tokenizer.config import TokenizerConfig
 
 pytestmark = [
     pytest.mark.slow,
@@ -136,6 +143,86 @@ def test_engine_actor_serves_registers_and_survives_kill(
     assert asyncio.run(_info(restarted.address)).model == "dummy:tiny"
     (now,) = cluster.describe_engines()
     assert now["pid"] == restarted.pid and now["address"] == restarted.address
+
+
+async def _generate(stub: router_pb2_grpc.RouterStub, max_tokens: int) -> list:
+    request = router_pb2.GenerateRequest(
+        prompt="Hello there",
+        params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+    return [response async for response in stub.Generate(request, timeout=60)]
+
+
+async def _wait_serving(core: RouterCore, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not core.serving:
+        assert time.monotonic() < deadline, "router never became ready"
+        await asyncio.sleep(0.1)
+
+
+async def _router_scenario(redis_server: LocalRedisServer, cluster: RayCluster) -> None:
+    tokenizer = await tokenizer_server.start(TokenizerConfig(model="dummy:tiny", port=0))
+    store = open_store(StoreConfig(redis_url=redis_server.url, redis_timeout_s=0.3))
+    registry = EngineRegistry(store, poll_interval_s=0.2)
+    discovery = RegistryDiscovery(registry)
+    config = RouterConfig(port=0, engines=("127.0.0.1:1",), tokenizer=f"127.0.0.1:{tokenizer.port}")
+    core = RouterCore(config, discovery=discovery)
+    discovery.follow(core.pool.refresh)
+    await registry.start()
+    servicer = RouterServicer(core)
+    server = await start_server(
+        "127.0.0.1:0",
+        lambda grpc_server: router_pb2_grpc.add_RouterServicer_to_server(servicer, grpc_server),
+        ["sluice.v1.Router"],
+    )
+    await core.start()
+    try:
+        await _wait_serving(core, 60)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            assert len([r for r in await _generate(stub, 4) if r.token_ids]) >= 1
+            # Redis frozen: the registry view stays and requests keep succeeding.
+            os.kill(redis_server.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(0.6)
+                responses = await _generate(stub, 4)
+                assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+                assert registry.degraded and set(registry.engines()) == {"engine-0"}
+            finally:
+                os.kill(redis_server.pid, signal.SIGCONT)
+            # kill -9 of the engine mid-stream: the stream ends UNAVAILABLE within 2 s.
+            (before,) = cluster.describe_engines()
+            request = router_pb2.GenerateRequest(
+                prompt="Hello",
+                params=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True),
+            )
+            killed_at = 0.0
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for response in stub.Generate(request, timeout=60):
+                    if response.token_ids and not killed_at:
+                        os.kill(before["pid"], signal.SIGKILL)
+                        killed_at = time.monotonic()
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert killed_at and time.monotonic() - killed_at < 2.0
+            # Ray restarts it, it re-registers, the router follows, the next request succeeds.
+            assert await registry.wait_until(
+                lambda view: "engine-0" in view and view["engine-0"].pid != before["pid"], 120
+            )
+            await _wait_serving(core, 60)
+            responses = await _generate(stub, 3)
+            assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    finally:
+        await server.stop(0.5)
+        await core.close()
+        await registry.stop()
+        await store.close()
+        await tokenizer.stop(0.5)
+
+
+def test_router_follows_registry_through_redis_pause_and_engine_kill(
+    cluster: RayCluster, redis_server: LocalRedisServer
+) -> None:
+    asyncio.run(_router_scenario(redis_server, cluster))
 
 
 def test_token_auth_on_and_clean_stop_deregisters(

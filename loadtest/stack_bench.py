@@ -3,7 +3,7 @@
 With a `dummy:tiny` model the model is cheap, so the numbers measure the stack (gRPC hops,
 detokenization, per-request streaming), not the forward pass. It
 1. starts a tokenizer, one engine and the router as separate processes on free loopback ports
-   (or uses `--router/--engine/--tokenizer` addresses of a running stack),
+   (services/launcher.py; or uses `--router/--engine/--tokenizer` of a running stack),
 2. runs `--concurrency` closed-loop streams for `--duration` seconds straight to the engine over
    one EngineSession (the engine alone), then the same through the router's public Generate,
 3. reports streamed tokens/s for both and their ratio, median and p90 time to first token and
@@ -19,12 +19,12 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import grpc
 import psutil
@@ -62,12 +62,6 @@ class RunResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -129,6 +123,57 @@ async def _router_run(address: str, args: argparse.Namespace, pid: int | None) -
 async def _one_warmup(stub: router_pb2_grpc.RouterStub) -> None:
     async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="warm up", params=_params(4))):
         pass
+
+
+async def _router_idle_ttft(address: str, samples: int) -> float:
+    """Median time to first token of one request at a time (no queueing anywhere), ms."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        await _one_warmup(stub)
+        ttfts = []
+        for index in range(samples):
+            request = router_pb2.GenerateRequest(
+                prompt=PROMPTS[index % len(PROMPTS)], params=_params(1)
+            )
+            start = time.perf_counter()
+            async for response in stub.Generate(request):
+                if response.token_ids:
+                    ttfts.append(time.perf_counter() - start)
+                    break
+    return _percentile(ttfts, 0.5) * 1e3
+
+
+async def _engine_idle_ttft(address: str, prompt_ids: list[list[int]], samples: int) -> float:
+    """The same straight over an EngineSession, ms."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = engine_pb2_grpc.EngineStub(channel).EngineSession()
+        ttfts = []
+        for index in range(samples + 1):
+            request_id = f"idle{index}"
+            start = time.perf_counter()
+            await call.write(
+                engine_pb2.EngineRequest(
+                    submits=[
+                        engine_pb2.SubmitRequest(
+                            request_id=request_id,
+                            prompt_token_ids=prompt_ids[index % len(prompt_ids)],
+                            params=_params(1),
+                        )
+                    ]
+                )
+            )
+            done = False
+            while not done:
+                step = await call.read()
+                if step is grpc.aio.EOF:
+                    raise RuntimeError("engine closed the session")
+                for update in step.updates:
+                    if update.request_id == request_id and update.token_ids:
+                        if index:  # the first one warms up
+                            ttfts.append(time.perf_counter() - start)
+                        done = True
+        call.cancel()
+    return _percentile(ttfts, 0.5) * 1e3
 
 
 async def _engine_run(
@@ -211,77 +256,6 @@ def _cpu_seconds(pid: int | None) -> float | None:
     return times.user + times.system
 
 
-class Stack:
-    """Tokenizer, engine and router processes on free loopback ports."""
-
-    def __init__(self, model: str, python: str = sys.executable) -> None:
-        self.model = model
-        self.python = python
-        self.ports = {name: _free_port() for name in ("tokenizer", "engine", "router")}
-        self.processes: dict[str, subprocess.Popen] = {}
-
-    def address(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
-
-    def start(self, timeout_s: float = 180.0) -> None:
-        ports = self.ports
-        commands = {
-            "tokenizer": ["services.tokenizer.server", "--port", str(ports["tokenizer"])],
-            "engine": [
-                "services.engine.server",
-                "--port",
-                str(ports["engine"]),
-                "--model",
-                self.model,
-            ],
-            "router": [
-                "services.router.server",
-                "--port",
-                str(ports["router"]),
-                "--engines",
-                self.address("engine"),
-                "--tokenizer",
-                self.address("tokenizer"),
-                "--log-level",
-                "WARNING",
-            ],
-        }
-        for name, command in commands.items():
-            self.processes[name] = subprocess.Popen(
-                [self.python, "-m", *command],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        _wait_serving(self.address("router"), timeout_s)
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-def _wait_serving(address: str, timeout_s: float) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{address} did not become SERVING within {timeout_s}s")
-
-
 def _find_pid(port: int) -> int | None:
     for connection in psutil.net_connections(kind="tcp"):
         if connection.laddr and connection.laddr.port == port and connection.status == "LISTEN":
@@ -295,17 +269,31 @@ async def run(args: argparse.Namespace) -> dict:
         router, engine, tokenizer = args.router, args.engine, args.tokenizer
         pid = args.router_pid or _find_pid(int(router.rpartition(":")[2]))
     else:
-        stack = Stack(args.model)
-        stack.start()
-        router, engine, tokenizer = (stack.address(n) for n in ("router", "engine", "tokenizer"))
-        pid = stack.processes["router"].pid
+        from services.launcher import Stack, StackConfig
+
+        log_dir = Path(tempfile.mkdtemp(prefix="stack-bench-"))
+        config = StackConfig(
+            model=args.model, port=0, router_args=("--log-level", "WARNING"), log_dir=log_dir
+        )
+        stack = Stack(config).start()
+        router, tokenizer = stack.router_address, stack.tokenizer_address
+        engine = stack.engine_addresses[0]
+        pid = stack.router.process.pid
     try:
         prompt_ids = await _tokenize(tokenizer)
-        engine_result = await _engine_run(engine, prompt_ids, args)
-        router_result = await _router_run(router, args, pid)
+        engine_result = (
+            await _engine_run(engine, prompt_ids, args) if args.only != "router" else None
+        )
+        router_result = await _router_run(router, args, pid) if args.only != "engine" else None
+        if args.only is None:
+            engine_idle_ttft = await _engine_idle_ttft(engine, prompt_ids, args.idle_samples)
+            router_idle_ttft = await _router_idle_ttft(router, args.idle_samples)
     finally:
         if stack is not None:
             stack.stop()
+    if engine_result is None or router_result is None:
+        result = engine_result or router_result
+        return {"only": {**asdict(result), "tokens_per_s": result.tokens_per_s}}
     report = {
         "model": args.model,
         "concurrency": args.concurrency,
@@ -320,6 +308,8 @@ async def run(args: argparse.Namespace) -> dict:
             else None
         ),
         "added_ttft_median_ms": router_result.ttft_median_ms - engine_result.ttft_median_ms,
+        "idle_ttft_median_ms": {"engine_alone": engine_idle_ttft, "router": router_idle_ttft},
+        "added_idle_ttft_median_ms": router_idle_ttft - engine_idle_ttft,
     }
     return report
 
@@ -337,7 +327,12 @@ def _print(report: dict) -> None:
             f"p90 {result['ttft_p90_ms']:.1f} ms"
         )
     print(f"ratio router / engine alone: {report['ratio_router_to_engine']:.3f}")
-    print(f"added median TTFT: {report['added_ttft_median_ms']:.1f} ms")
+    print(f"added median TTFT under load: {report['added_ttft_median_ms']:.1f} ms")
+    idle = report["idle_ttft_median_ms"]
+    print(
+        f"idle median TTFT (one request at a time): engine alone {idle['engine_alone']:.2f} ms, "
+        f"router {idle['router']:.2f} ms, added {report['added_idle_ttft_median_ms']:.2f} ms"
+    )
     if router["cpu_us_per_token"] is not None:
         print(f"router CPU per streamed token: {router['cpu_us_per_token']:.1f} us")
 
@@ -356,6 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine", help="engine address of that stack")
     parser.add_argument("--tokenizer", help="tokenizer address of that stack")
     parser.add_argument("--router-pid", type=int, help="router process id (for CPU accounting)")
+    parser.add_argument(
+        "--idle-samples", type=int, default=30, help="requests for the idle TTFT comparison"
+    )
+    parser.add_argument(
+        "--only", choices=("router", "engine"), help="run one side only (for profiling)"
+    )
     parser.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
     if args.router and not (args.engine and args.tokenizer):
@@ -363,6 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.concurrency < 1 or args.max_tokens < 1 or args.duration <= 0:
         parser.error("concurrency, max-tokens and duration must be positive")
     report = asyncio.run(run(args))
+    if "only" in report:
+        print(json.dumps(report["only"], indent=2))
+        return 0
     _print(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -23,12 +23,16 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
+import socket
+import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.errors import InvalidArgumentError, SluiceError, UnavailableError
 from services.common.redis_server import free_port
 from services.common.redis_store import SharedStore, StoreConfig, open_store
 from services.engine.registration import EngineRecord, EngineRegistration
@@ -231,3 +235,55 @@ def record_from_info(engine_id: str, address: str, info: Any, started_at: float)
 def shared_store(settings: EngineWorkerSettings) -> SharedStore:
     """The store an engine registers in (exposed for callers that register without Ray)."""
     return open_store(settings.store)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m services.engine.worker`: one engine that registers itself, without Ray.
+
+    The engine flags of `sluice serve engine`, plus --redis-url/--redis-password and
+    --engine-id; for a plain container or a GPU machine that joins a Redis-backed cluster.
+    """
+    from services.common.config import add_arguments, from_layers
+    from services.engine.worker_config import build_parser
+
+    parser = build_parser("python -m services.engine.worker")
+    add_arguments(parser.add_argument_group("registry"), StoreConfig)
+    registry = parser.add_argument_group("registration")
+    registry.add_argument("--engine-id", default=None, help="registry id (default: host-port)")
+    registry.add_argument("--advertise-host", default=None, help="host routers should dial")
+    registry.add_argument("--registration-ttl-s", type=float, default=10.0, help="entry TTL")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+        worker_config = WorkerConfig.from_namespace(args)
+        network = worker_config.network
+        settings = EngineWorkerSettings(
+            engine_id=args.engine_id or f"engine-{socket.gethostname()}-{network.port}",
+            worker=worker_config,
+            store=from_layers(StoreConfig, args),
+            advertise_host=args.advertise_host,
+            registration_ttl_s=args.registration_ttl_s,
+        )
+    except SluiceError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    worker = EngineWorker(settings)
+    try:
+        ready = worker.ready()
+    except SluiceError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        worker.stop()
+        return 1
+    print(f"engine {ready['engine_id']} ready at {ready['address']}", flush=True)
+    while not stop.wait(0.5):
+        if worker._done.is_set():
+            print(f"error: engine {settings.engine_id} stopped unexpectedly", file=sys.stderr)
+            return 1
+    return 0 if worker.stop() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

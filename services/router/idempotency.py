@@ -36,7 +36,7 @@ from services.common.redis_store import SharedStore, StoreUnavailableError
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "sluice:idem:"
-MAX_REQUEST_ID_LENGTH = 256
+MAX_REQUEST_ID_LENGTH = 512
 
 
 class ClaimKind(enum.Enum):
@@ -52,6 +52,12 @@ class Claim:
     kind: ClaimKind
     request_id: str
     recorded: bool = True
+
+
+def scoped_id(tenant: str, request_id: str) -> str:
+    """The id to record: the client's id within its tenant (API key id), so that one tenant's
+    id can never return another tenant's result."""
+    return f"{tenant}/{request_id}" if tenant else request_id
 
 
 def payload_hash(payload: bytes) -> str:

@@ -75,16 +75,23 @@ def run_clock(start_epoch_s: float) -> Callable[[], float]:
     return lambda: time.perf_counter() + offset - start_epoch_s
 
 
+def dispatch_lag_s(record: RequestRecord) -> float | None:
+    """How late the scheduler released a request (before any concurrency-slot wait)."""
+    return None if record.dispatched_s is None else record.dispatched_s - record.scheduled_s
+
+
 class LagMonitor:
     """Warns (at most every few seconds) when requests leave later than scheduled."""
 
     def __init__(self, threshold_ms: float, emit: Callable[[str], None]) -> None:
+        self.threshold_ms = threshold_ms
         self._threshold_s = threshold_ms / 1000.0
         self._emit = emit
         self._last_warning = -float("inf")
         self.warnings: list[str] = []
 
     def observe(self, index: int, dispatch_lag_s: float | None) -> None:
+        """Called as each request is dispatched, with how late that was."""
         if dispatch_lag_s is None or dispatch_lag_s <= self._threshold_s:
             return
         now = time.monotonic()
@@ -95,6 +102,10 @@ class LagMonitor:
             f"warning: request {index} left {dispatch_lag_s * 1000:.1f} ms after its scheduled "
             "time; the load generator is falling behind (try --workers N)"
         )
+        self.relay(message)
+
+    def relay(self, message: str) -> None:
+        """Keep and show a warning (also one raised in a worker process)."""
         self.warnings.append(message)
         self._emit(message)
 
@@ -108,6 +119,7 @@ async def run_schedule(
     max_concurrency: int | None = None,
     worker: int = 0,
     on_done: Callable[[RequestRecord], None] | None = None,
+    on_dispatch: Callable[[RequestRecord], None] | None = None,
 ) -> list[RequestRecord]:
     """Send `specs[i]` at `times_s[i]` seconds after `start_epoch_s`; return their records."""
     if len(specs) != len(times_s):
@@ -152,6 +164,8 @@ async def run_schedule(
             await asyncio.sleep(delay)
         record.dispatched_s = clock()
         tasks.append(asyncio.create_task(one(spec, record)))
+        if on_dispatch is not None:
+            on_dispatch(record)
     await asyncio.gather(*tasks)
     return records
 
@@ -163,9 +177,11 @@ async def run_in_loop(
     max_concurrency: int | None,
     worker: int,
     on_done: Callable[[RequestRecord], None] | None,
+    on_dispatch: Callable[[RequestRecord], None] | None = None,
     start_epoch_s: float | None = None,
     ready: Callable[[], float] | None = None,
 ) -> list[RequestRecord]:
+    """Start a client in the running loop, wait for the start signal, run the schedule."""
     client = options.make_client()
     await client.start()  # type: ignore[attr-defined]
     try:
@@ -178,6 +194,7 @@ async def run_in_loop(
             max_concurrency=max_concurrency,
             worker=worker,
             on_done=on_done,
+            on_dispatch=on_dispatch,
         )
     finally:
         await client.close()  # type: ignore[attr-defined]
@@ -203,10 +220,11 @@ def run(
     monitor = LagMonitor(lag_warning_ms, emit)
 
     def done(record: RequestRecord) -> None:
-        lag = None if record.dispatched_s is None else record.dispatched_s - record.scheduled_s
-        monitor.observe(record.index, lag)
         if progress is not None:
             progress(record)
+
+    def dispatched(record: RequestRecord) -> None:
+        monitor.observe(record.index, dispatch_lag_s(record))
 
     if workers == 1:
         start = time.time() + START_MARGIN_S
@@ -217,7 +235,7 @@ def run(
             return start
 
         records = asyncio.run(
-            run_in_loop(specs, times_s, options, max_concurrency, 0, done, ready=ready)
+            run_in_loop(specs, times_s, options, max_concurrency, 0, done, dispatched, ready=ready)
         )
         return RunResult(sorted(records, key=lambda r: r.index), start, monitor.warnings)
     from loadtest.workers import run_processes

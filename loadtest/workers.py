@@ -19,7 +19,14 @@ from collections.abc import Callable, Sequence
 
 from loadtest.datasets import RequestSpec
 from loadtest.records import RequestRecord
-from loadtest.runner import START_MARGIN_S, ClientOptions, LagMonitor, RunResult, run_in_loop
+from loadtest.runner import (
+    START_MARGIN_S,
+    ClientOptions,
+    LagMonitor,
+    RunResult,
+    dispatch_lag_s,
+    run_in_loop,
+)
 from services.common.errors import UnavailableError
 
 
@@ -52,7 +59,7 @@ def run_processes(
         )
         process = context.Process(
             target=_worker_main,
-            args=(worker, payload, options, share, messages, go, start_value),
+            args=(worker, payload, options, share, monitor.threshold_ms, messages, go, start_value),
             daemon=True,
         )
         process.start()
@@ -75,6 +82,8 @@ def run_processes(
             kind, worker, body = _next_message(messages, processes)
             if kind == "done":
                 done(RequestRecord.from_json(json.loads(body)))
+            elif kind == "warn":
+                monitor.relay(f"worker {worker}: {body}")
             elif kind == "records":
                 records.extend(RequestRecord.from_json(r) for r in json.loads(body))
                 finished += 1
@@ -120,6 +129,7 @@ def _worker_main(
     payload: str,
     options: ClientOptions,
     max_concurrency: int | None,
+    lag_warning_ms: float,
     messages: multiprocessing.Queue,
     go: object,
     start_value: object,
@@ -135,21 +145,26 @@ def _worker_main(
             return start_value.value  # type: ignore[attr-defined]
 
         def done(record: RequestRecord) -> None:
-            messages.put(
-                (
-                    "done",
-                    worker,
-                    json.dumps(
-                        record.to_json(with_chunks=False)
-                        | {
-                            "finished_s": record.finished_s,
-                        }
-                    ),
-                )
-            )
+            body = record.to_json() | {"finished_s": record.finished_s}
+            messages.put(("done", worker, json.dumps(body)))
+
+        # Warnings are raised here, at dispatch, and shown by the parent.
+        local = LagMonitor(lag_warning_ms, lambda message: messages.put(("warn", worker, message)))
+
+        def dispatched(record: RequestRecord) -> None:
+            local.observe(record.index, dispatch_lag_s(record))
 
         records = asyncio.run(
-            run_in_loop(specs, data["times"], options, max_concurrency, worker, done, ready=ready)
+            run_in_loop(
+                specs,
+                data["times"],
+                options,
+                max_concurrency,
+                worker,
+                done,
+                dispatched,
+                ready=ready,
+            )
         )
         body = json.dumps([r.to_json(with_chunks=True) for r in records])
         messages.put(("records", worker, body))

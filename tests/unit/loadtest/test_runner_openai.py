@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.arrivals import arrival_times
 from loadtest.datasets import RequestSpec
-from loadtest.runner import ClientOptions, run, run_schedule
+from loadtest.runner import ClientOptions, LagMonitor, dispatch_lag_s, run, run_schedule
 from tests.unit.loadtest.sse_fixture_server import OpenAIFixtureServer
 
 
@@ -29,12 +29,13 @@ def test_slow_server_does_not_delay_the_schedule() -> None:
         assert server.max_in_progress >= 8
     records = result.records
     assert [r.status for r in records] == ["OK"] * 24
-    assert max(r.send_lag_s for r in records) < 0.1
+    # Tolerances leave room for a loaded CI machine; a closed loop would be seconds behind.
+    assert max(r.send_lag_s for r in records) < 0.15
     for record, scheduled in zip(records, times, strict=True):
         assert record.scheduled_s == scheduled
         assert record.output_tokens == 5
-        assert 0.24 <= record.ttft_s < 0.6
-        assert record.tpot_s == pytest.approx(0.025, abs=0.02)
+        assert 0.24 <= record.ttft_s < 1.0
+        assert record.tpot_s == pytest.approx(0.025, abs=0.03)
         assert record.e2e_s >= 0.25 + 4 * 0.025 - 0.005
 
 
@@ -50,10 +51,10 @@ def test_known_delays_give_known_ttft_and_itl() -> None:
         assert server.requests[0]["model"] == "fixture-model"
     for record in result.records:
         assert record.status == "OK"
-        assert record.ttft_s == pytest.approx(0.1, abs=0.05)
+        assert record.ttft_s == pytest.approx(0.1, abs=0.08)
         gaps = record.inter_token_latencies_s()
         assert len(gaps) == 5
-        assert sum(gaps) / 5 == pytest.approx(0.04, abs=0.015)
+        assert sum(gaps) / 5 == pytest.approx(0.04, abs=0.025)
 
 
 def test_max_concurrency_wait_is_recorded_not_hidden() -> None:
@@ -141,3 +142,29 @@ def test_a_client_exception_is_recorded_and_the_run_goes_on() -> None:
     assert [r.status for r in records] == ["OK", "UNKNOWN", "OK", "UNKNOWN"]
     assert "boom" in records[1].error
     assert records[1].finished_s is not None
+
+
+class _BlockingClient:
+    """A client that blocks the event loop for 80 ms per send: dispatch falls behind."""
+
+    async def send(self, spec: RequestSpec, record, clock) -> None:  # noqa: ANN001
+        record.sent_s = clock()
+        time.sleep(0.08)
+        record.finished_s = clock()
+        record.status = "OK"
+
+
+def test_falling_behind_is_warned_at_dispatch_and_shows_in_the_lag() -> None:
+    warnings: list[str] = []
+    monitor = LagMonitor(threshold_ms=30, emit=warnings.append)
+    records = asyncio.run(
+        run_schedule(
+            specs(4),
+            [0.0, 0.01, 0.02, 0.03],
+            _BlockingClient(),
+            start_epoch_s=time.time(),
+            on_dispatch=lambda r: monitor.observe(r.index, dispatch_lag_s(r)),
+        )
+    )
+    assert max(r.send_lag_s for r in records) > 0.1
+    assert len(warnings) == 1 and "falling behind" in warnings[0]

@@ -51,7 +51,7 @@ class StackConfig:
     tokenizer_args: tuple[str, ...] = ()
     startup_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
-    log_dir: Path | None = None  # None: children inherit this process's stdout/stderr
+    log_dir: Path | None = None  # None: children log to this process's stderr
 
     def __post_init__(self) -> None:
         if isinstance(self.engines, bool) or not isinstance(self.engines, int):
@@ -137,8 +137,10 @@ def spawn_service(
     log.info("starting %s: %s", name, " ".join(command))
     process = subprocess.Popen(
         command,
-        stdout=log_file,
-        stderr=subprocess.STDOUT if log_file is not None else None,
+        # Without a log directory, children log to this process's stderr: stdout carries only
+        # the launcher's own lines (the router address), so scripts can read it.
+        stdout=log_file if log_file is not None else sys.stderr.fileno(),
+        stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in
         # order (router first, so it can drain).

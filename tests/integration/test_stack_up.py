@@ -1,0 +1,123 @@
+"""`sluice up` as a user runs it, and the launcher's handling of a child that dies.
+
+Uses the `dummy:tiny` model (random weights, the default tokenizer) so start-up is quick.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.client import SluiceClient
+from services.launcher import Stack, free_port
+
+TINY_ENGINE_ARGS = ("--kv-cache-bytes", str(8 * 1024 * 1024))
+
+
+def child_pids(parent: int) -> list[int]:
+    """Direct children of `parent`, read from /proc (Linux)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == parent:
+            pids.append(int(entry.name))
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sluice_up_serves_then_stops_everything_on_sigterm() -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port",
+            str(port),
+            "--model",
+            "dummy:tiny",
+            "--engines",
+            "2",
+            "--kv-cache-bytes",
+            TINY_ENGINE_ARGS[1],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # children's logs
+        text=True,
+    )
+    try:
+        ready = process.stdout.readline()  # blocks until ready (or the launcher exits)
+        assert ready.strip() == f"Sluice router ready at 127.0.0.1:{port}"
+        children = child_pids(process.pid)
+        assert len(children) == 4  # tokenizer, two engines, router
+        with SluiceClient(f"127.0.0.1:{port}", timeout=60.0) as client:
+            completion = client.complete("Hello", max_tokens=5, temperature=0.0, ignore_eos=True)
+            models = client.list_models()
+        assert completion.completion_tokens == 5
+        assert models[0].name == "dummy:tiny"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while any(pid_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(pid) for pid in children)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+def test_launcher_reports_a_child_that_dies(stack_factory, capsys) -> None:  # noqa: ANN001
+    stack: Stack = stack_factory(model="dummy:tiny", engine_args=TINY_ENGINE_ARGS)
+    victim = stack.engines[0]
+    others = [child for child in stack.children if child is not victim]
+    os.kill(victim.process.pid, signal.SIGKILL)
+    lines: list[str] = []
+    assert stack.run_until_signal(lines.append) == 1
+    assert len(lines) == 1
+    assert "engine-0" in lines[0] and "exited unexpectedly" in lines[0] and "-9" in lines[0]
+    assert all(not child.alive() for child in others)
+
+
+def test_bad_model_fails_before_starting_children(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port",
+            "0",
+            "--model",
+            str(tmp_path / "missing"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith("error: NOT_FOUND: ")

@@ -14,6 +14,7 @@ import logging
 import secrets
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -54,6 +55,7 @@ class LocalRedisServer:
     port: int
     password: str
     directory: Path
+    tls_ca_file: Path | None = None
     log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -61,7 +63,8 @@ class LocalRedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+        scheme = "rediss" if self.tls_ca_file else "redis"
+        return f"{scheme}://:{self.password}@{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int:
@@ -83,9 +86,16 @@ class LocalRedisServer:
 
 
 def start_redis_server(
-    *, host: str = "127.0.0.1", port: int | None = None, startup_timeout_s: float = 10.0
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    startup_timeout_s: float = 10.0,
+    tls_files: tuple[Path, Path, Path] | None = None,
 ) -> LocalRedisServer:
-    """Start a private redis-server (see module docstring); raises if it cannot start."""
+    """Start a private redis-server (see module docstring); raises if it cannot start.
+
+    With `tls_files` = (CA certificate, server certificate, server key) it serves TLS only
+    (its `url` is rediss://; clients verify it with that CA)."""
     binary = find_redis_server()
     if binary is None:
         raise FailedPreconditionError("redis-server is not installed")
@@ -94,11 +104,23 @@ def start_redis_server(
     directory.chmod(0o700)
     chosen_port = port if port is not None else free_port(host)
     config_path = directory / "redis.conf"
+    if tls_files is None:
+        listen = [f"port {chosen_port}"]
+    else:
+        ca_file, cert_file, key_file = tls_files
+        listen = [
+            "port 0",
+            f"tls-port {chosen_port}",
+            f"tls-cert-file {cert_file}",
+            f"tls-key-file {key_file}",
+            f"tls-ca-cert-file {ca_file}",
+            "tls-auth-clients no",
+        ]
     config_path.write_text(
         "\n".join(
             (
                 f"bind {host}",
-                f"port {chosen_port}",
+                *listen,
                 f"requirepass {password}",
                 "protected-mode yes",
                 f"dir {directory}",
@@ -118,7 +140,9 @@ def start_redis_server(
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    server = LocalRedisServer(process, host, chosen_port, password, directory)
+    server = LocalRedisServer(
+        process, host, chosen_port, password, directory, tls_files[0] if tls_files else None
+    )
     try:
         _wait_ready(server, startup_timeout_s)
     except BaseException:
@@ -143,8 +167,13 @@ def _ping(server: LocalRedisServer) -> bool:
     payload = f"AUTH {server.password}\r\nPING\r\n".encode()
     with (
         contextlib.suppress(OSError),
-        socket.create_connection((server.host, server.port), timeout=0.5) as sock,
+        socket.create_connection((server.host, server.port), timeout=0.5) as raw_socket,
     ):
+        sock = raw_socket
+        if server.tls_ca_file is not None:
+            context = ssl.create_default_context(cafile=str(server.tls_ca_file))
+            context.check_hostname = False
+            sock = context.wrap_socket(raw_socket)
         sock.sendall(payload)
         received = b""
         while b"PONG" not in received:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +232,47 @@ def test_redis_for_stack_starts_a_private_server_or_uses_the_url() -> None:
     finally:
         server.stop()
     assert not server.running() and not server.directory.exists()
+
+
+def _make_tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
+    ca_key, ca_cert = directory / "ca.key", directory / "ca.crt"
+    key, csr, cert = directory / "redis.key", directory / "redis.csr", directory / "redis.crt"
+    extensions = directory / "san.ext"
+    extensions.write_text("subjectAltName=IP:127.0.0.1\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+            "/CN=sluice-test-ca", "-keyout", str(ca_key), "-out", str(ca_cert))  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", str(key), "-out", str(csr))  # fmt: skip
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca_cert), "-CAkey", str(ca_key),
+            "-CAcreateserial", "-days", "1", "-extfile", str(extensions),
+            "-out", str(cert))  # fmt: skip
+    return ca_cert, cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_tls_rediss_url_with_ca(tmp_path: Path) -> None:
+    ca_file, cert_file, key_file = _make_tls_files(tmp_path)
+    server = start_redis_server(tls_files=(ca_file, cert_file, key_file))
+    try:
+        assert server.url.startswith("rediss://")
+
+        async def scenario() -> None:
+            store = open_store(StoreConfig(redis_url=server.url, redis_tls_ca_file=str(ca_file)))
+            assert await store.ping()
+            await store.set("sluice:tls", "ok")
+            assert await store.get("sluice:tls") == b"ok"
+            await store.close()
+            # The plain-text protocol is refused on the TLS port.
+            plain = open_store(StoreConfig(redis_url=server.url.replace("rediss://", "redis://")))
+            with pytest.raises(StoreUnavailableError):
+                await plain.ping()
+            await plain.close()
+
+        asyncio.run(scenario())
+    finally:
+        server.stop()

@@ -54,7 +54,7 @@ def test_run_writes_report_markdown_and_plots(
         assert set(report["summary"][key]) == {"mean", "p50", "p90", "p99"}
     assert report["summary"]["ttft_ms"]["p50"] >= 45
     assert report["summary"]["goodput"] == pytest.approx(report["summary"]["request_throughput"])
-    assert report["summary"]["max_send_lag_ms"] < 100
+    assert report["summary"]["max_send_lag_ms"] < 200
     assert len(report["requests"]) == 12
     for record in report["requests"]:
         assert set(record) >= _RECORD_KEYS

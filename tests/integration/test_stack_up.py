@@ -90,7 +90,7 @@ def test_sluice_up_serves_then_stops_everything_on_sigterm() -> None:
 
 
 @pytest.mark.slow
-def test_launcher_reports_a_child_that_dies(stack_factory, capsys) -> None:  # noqa: ANN001
+def test_launcher_reports_a_child_that_dies(stack_factory) -> None:  # noqa: ANN001
     stack: Stack = stack_factory(model="dummy:tiny", engine_args=TINY_ENGINE_ARGS)
     victim = stack.engines[0]
     others = [child for child in stack.children if child is not victim]

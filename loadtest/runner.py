@@ -227,9 +227,12 @@ def run(
         monitor.observe(record.index, dispatch_lag_s(record))
 
     if workers == 1:
-        start = time.time() + START_MARGIN_S
+        start = 0.0
 
         def ready() -> float:
+            # Set once the client is connected, so start-up never counts as send lag.
+            nonlocal start
+            start = time.time() + START_MARGIN_S
             if on_start is not None:
                 on_start(start)
             return start

@@ -168,3 +168,24 @@ def test_falling_behind_is_warned_at_dispatch_and_shows_in_the_lag() -> None:
     )
     assert max(r.send_lag_s for r in records) > 0.1
     assert len(warnings) == 1 and "falling behind" in warnings[0]
+
+
+class _SlowStartClient(_BrokenClient):
+    """Takes 0.3 s to connect; its sends succeed."""
+
+    async def start(self) -> None:
+        await asyncio.sleep(0.3)
+
+    async def close(self) -> None:
+        return None
+
+
+class _SlowStartOptions(ClientOptions):
+    def make_client(self) -> object:
+        return _SlowStartClient()
+
+
+def test_client_start_up_is_not_counted_as_send_lag() -> None:
+    result = run([specs(1)[0]], [0.0], _SlowStartOptions(openai_url="unused"), emit=print)
+    assert result.records[0].status == "OK"
+    assert result.records[0].send_lag_s < 0.1

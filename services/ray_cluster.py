@@ -23,6 +23,7 @@ from typing import Any
 
 from services.common.config import field
 from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.redis_server import free_port
 from services.common.redis_store import StoreConfig
 from services.engine.worker import EngineWorker, EngineWorkerSettings
 from services.engine.worker_config import WorkerConfig
@@ -128,13 +129,23 @@ class RayCluster:
         count, use_gpu = self.engine_count()
         # Local Ray: loopback unless told otherwise; a joined cluster: each node's own IP.
         bind_host = host or ("auto" if self.config.ray_address else worker.network.host)
+        # One node (a local Ray): fixed free ports, so a restarted actor comes back on the same
+        # address. A joined cluster: the actor's node picks (the registry carries the address).
+        fixed_ports = self.config.ray_address is None and bind_host != "auto"
         actor_class = ray.remote(EngineWorker)
         started: list[tuple[str, Any]] = []
         for index in range(count):
             engine_id = f"{self.config.engine_id_prefix}-{index}"
             settings = EngineWorkerSettings(
                 engine_id=engine_id,
-                worker=replace(worker, network=replace(worker.network, host=bind_host, port=0)),
+                worker=replace(
+                    worker,
+                    network=replace(
+                        worker.network,
+                        host=bind_host,
+                        port=free_port(bind_host) if fixed_ports else 0,
+                    ),
+                ),
                 store=store,
                 registration_ttl_s=self.config.registration_ttl_s,
                 startup_timeout_s=self.config.engine_ready_timeout_s,

@@ -4,14 +4,15 @@ Ray places one `EngineWorker` per GPU (`num_gpus=1`), or per CPU slot, and resta
 process dies (`max_restarts`; services/ray_cluster.py creates them). Inside the actor:
 - a background thread runs an asyncio loop with the ordinary engine server
   (`services.engine.server.serve`, the same code as `sluice serve engine`) bound to the node's
-  address (or the host given) on a free port;
+  address (or the host given) on the port given (0: a free one);
 - once the server answers `Info` (the model is loaded), the worker writes its `EngineRecord`
   (address, model, capacity, load, resident adapters) to the worker registry with a TTL and keeps
   it fresh from periodic `Info` calls; routers find it there (services/router/registry.py);
 - `ready()` blocks until registered and returns where it serves; `stop()` deregisters and shuts
   the server down cleanly.
-After a crash Ray runs `__init__` again: the worker starts a new server (possibly on a new port)
-and re-registers under the same engine id, which replaces the stale address. Nothing in flight is
+After a crash Ray runs `__init__` again: the worker starts a new server — on the same port when
+one was given and it is free again, else on a new one — and re-registers under the same engine
+id, which replaces any stale address. Nothing in flight is
 replayed: the router's streams to the dead process fail with UNAVAILABLE and the router decides
 what to retry; actor methods are not retried (`max_task_retries=0`).
 This module imports neither torch nor ray at import time (ray only for the node address).
@@ -82,7 +83,11 @@ class EngineWorker:
         advertised = settings.advertise_host or (
             node_address() if bind_host == "0.0.0.0" else bind_host
         )
-        port = network.port or free_port(bind_host)
+        port = network.port
+        if port and not _port_free(bind_host, port):
+            log.warning("port %d is taken; engine %s uses a free one", port, settings.engine_id)
+            port = 0
+        port = port or free_port(bind_host)
         self._config = replace(settings.worker, network=replace(network, host=bind_host, port=port))
         self.address = f"{advertised}:{port}"
         self._local_target = f"{'127.0.0.1' if bind_host == '0.0.0.0' else bind_host}:{port}"
@@ -179,6 +184,21 @@ class EngineWorker:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
+
+
+def _port_free(host: str, port: int, wait_s: float = 2.0) -> bool:
+    """True if `port` can be bound on `host` (retrying briefly: a dead process may hold it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                return True
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+        time.sleep(0.1)
 
 
 async def fetch_info(target: str, timeout_s: float) -> Any:

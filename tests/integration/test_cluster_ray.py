@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 
@@ -140,6 +141,7 @@ def test_engine_actor_serves_registers_and_survives_kill(
         )
     )
     restarted = view["engine-0"]
+    assert restarted.address == actor.address  # a local cluster keeps the engine's port
     assert asyncio.run(_info(restarted.address)).model == "dummy:tiny"
     (now,) = cluster.describe_engines()
     assert now["pid"] == restarted.pid and now["address"] == restarted.address
@@ -229,6 +231,10 @@ def test_token_auth_on_and_clean_stop_deregisters(
     cluster: RayCluster, redis_server: LocalRedisServer
 ) -> None:
     assert cluster.token_auth is True  # Ray 2.5x+ default for a new local cluster; kept on
+    for port in (8265, 10001):  # Ray's dashboard and client server ports stay closed
+        with socket.socket() as probe:
+            probe.settimeout(0.5)
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
     cluster.stop()
     view = asyncio.run(_registry_view(redis_server.url, lambda engines: not engines, 5.0))
     assert view == {}

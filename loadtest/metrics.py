@@ -124,6 +124,10 @@ def details(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "completed": statuses.get("OK", 0),
         "errors": {name: count for name, count in sorted(statuses.items()) if name != "OK"},
         "cancelled_by_harness": sum(1 for r in records if r.cancelled),
+        # Successful requests that stopped before the asked-for length (ignore_eos not honoured).
+        "ok_short_of_output_length": sum(
+            1 for r in records if r.status == "OK" and r.output_tokens < r.expected_output_tokens
+        ),
         "duration_s": run_duration_s(records),
         "total_input_tokens": sum(r.input_tokens for r in records),
         "total_output_tokens": sum(r.output_tokens for r in records),

@@ -86,7 +86,9 @@ def test_summary_over_known_timelines() -> None:
     # Only request 0 meets ttft <= 250 and tpot <= 40 (1 has ttft 300, 2 has tpot 50).
     assert summary["goodput"] == pytest.approx(1 / duration)
     assert summary["max_send_lag_ms"] == pytest.approx(3.0)
+    records[1].expected_output_tokens = 8  # it streamed only 5
     info = details(records)
+    assert info["ok_short_of_output_length"] == 1
     assert info["errors"] == {"RESOURCE_EXHAUSTED": 1}
     assert info["completed"] == 3
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -216,3 +217,25 @@ def token_auth_enabled() -> bool | None:
         return bool(get_authentication_mode() == AuthenticationMode.TOKEN)
     except Exception:  # noqa: BLE001 - an older Ray without token auth
         return None
+
+
+def start_ray_engines(
+    engine_argv: Sequence[str],
+    *,
+    redis_url: str | None,
+    config: RayClusterConfig | None = None,
+    host: str | None = None,
+) -> RayCluster:
+    """For `sluice up`: start (or join) Ray and the engine actors from `sluice serve engine`
+    flags (e.g. ["--model", "dummy:tiny"]); returns the cluster (`.engines[i].address`, and
+    `.stop()` on exit). With `redis_url` None the engines register nowhere shared: pass their
+    addresses to the router statically (they keep them across restarts on a local cluster).
+    `host` None: the engine flags' --host on a local Ray, each node's IP on a joined one."""
+    worker = WorkerConfig.from_argv(list(engine_argv))
+    cluster = RayCluster(config or RayClusterConfig()).start()
+    try:
+        cluster.start_engines(worker, StoreConfig(redis_url=redis_url), host=host)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster

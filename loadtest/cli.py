@@ -3,7 +3,7 @@
 `run` computes the arrival schedule and the requests up front, scrapes `--metrics-url` while
 the open-loop runner sends them, then prints a Markdown summary and, with `--out FILE.json`,
 writes the report, the summary and the plots. Exit status: 0 when the run finished with at
-least one successful request, 1 when none succeeded, 2 for bad flags or files.
+least one successful request, 1 when none succeeded, 2 for bad flags or files, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -142,3 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     except SluiceError as error:
         print(f"sluice bench: {error.message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("sluice bench: interrupted; no report written", file=sys.stderr)
+        return 130

@@ -391,7 +391,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SluiceError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except SluiceError as exc:  # e.g. the model cannot be found or loaded
+        log.error("engine worker failed: %s: %s", exc.code, exc.message)
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
     return 0
 
 

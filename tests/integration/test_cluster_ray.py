@@ -24,9 +24,7 @@ from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from services.common.grpc_server import start_server
 from services.common.redis_server import LocalRedisServer, find_redis_server, start_redis_server
 from services.common.redis_store import StoreConfig, open_store
-from services.engine.config import EngineConfig
-from services.engine.worker_config import WorkerConfig, WorkerNetworkConfig
-from services.ray_cluster import RayCluster, RayClusterConfig
+from services.ray_cluster import RayCluster, RayClusterConfig, start_ray_engines
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.registry import EngineRegistry, RegistryDiscovery
@@ -52,13 +50,13 @@ def cluster(redis_server: LocalRedisServer) -> Iterator[RayCluster]:
     config = RayClusterConfig(
         engines=1, ray_num_cpus=1, registration_ttl_s=2.0, engine_ready_timeout_s=240
     )
-    ray_cluster = RayCluster(config).start()
+    engine_flags = ["--model", "dummy:tiny", "--device", "cpu", "--load-report-interval-s", "0.2"]
+    ray_cluster = start_ray_engines(
+        [*engine_flags, "--kv-cache-bytes", str(16 * 1024 * 1024)],
+        redis_url=redis_server.url,
+        config=config,
+    )
     try:
-        worker = WorkerConfig(
-            WorkerNetworkConfig(host="127.0.0.1", port=0, load_report_interval_s=0.2),
-            EngineConfig(model="dummy:tiny", device="cpu", kv_cache_bytes=16 * 1024 * 1024),
-        )
-        ray_cluster.start_engines(worker, StoreConfig(redis_url=redis_server.url))
         yield ray_cluster
     finally:
         ray_cluster.stop()

@@ -101,11 +101,20 @@ class _Bucket:
 
 
 class LocalBuckets:
-    """The same two-bucket arithmetic as the Lua script, in this process's memory."""
+    """The same two-bucket arithmetic as the Lua script, in this process's memory.
+
+    Buckets idle for two windows are full again and are dropped once there are many."""
+
+    MAX_BUCKETS = 10_000
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._buckets: dict[str, _Bucket] = {}
+
+    def _prune(self, now: float) -> None:
+        idle = [key for key, b in self._buckets.items() if now - b.updated > 2 * WINDOW_S]
+        for key in idle:
+            del self._buckets[key]
 
     def take(self, key: str, limits: RateLimits, requests: int, tokens: int) -> float:
         """Take the costs if both buckets can pay; returns 0.0, else seconds until they can."""
@@ -113,6 +122,8 @@ class LocalBuckets:
         now = self._clock()
         bucket = self._buckets.get(key)
         if bucket is None:
+            if len(self._buckets) >= self.MAX_BUCKETS:
+                self._prune(now)
             bucket = _Bucket(float(rpm), float(tpm), now)
             self._buckets[key] = bucket
         elapsed = max(0.0, now - bucket.updated)

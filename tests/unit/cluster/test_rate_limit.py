@@ -8,7 +8,7 @@ import pytest
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError
 from services.common.redis_store import MemoryStore
-from services.router.rate_limit import RateLimiter, RateLimits
+from services.router.rate_limit import LocalBuckets, RateLimiter, RateLimits
 
 
 class FakeClock:
@@ -77,3 +77,16 @@ def test_unlimited_and_validation() -> None:
         RateLimits(requests_per_minute=-1)
     with pytest.raises(InvalidArgumentError):
         RateLimits(tokens_per_minute=1.5)  # type: ignore[arg-type]
+
+
+def test_idle_local_buckets_are_pruned() -> None:
+    clock = FakeClock()
+    buckets = LocalBuckets(clock)
+    buckets.MAX_BUCKETS = 3
+    limits = RateLimits(requests_per_minute=1)
+    for key in ("a", "b", "c"):
+        assert buckets.take(key, limits, 1, 0) == 0.0
+    assert buckets.take("a", limits, 1, 0) > 0  # still limited
+    clock.now += 121
+    assert buckets.take("d", limits, 1, 0) == 0.0
+    assert set(buckets._buckets) == {"d"}

@@ -32,11 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-context", type=int, default=512, help="context for tok/s")
     parser.add_argument("--decode-steps", type=int, default=32, help="timed steps per batch")
     parser.add_argument("--device", default="cuda", help="only cuda is supported")
-    args = parser.parse_args(argv)
+    args, ignored = parser.parse_known_args(argv)
+    if ignored:  # options of engine_bench's CPU mode, which hands --device cuda over to us
+        print(f"gpu_bench: ignoring options {ignored}", file=sys.stderr)
 
     import torch
 
-    if args.device != "cuda" or not torch.cuda.is_available():
+    if not args.device.startswith("cuda") or not torch.cuda.is_available():
         print("gpu_bench needs a CUDA device", file=sys.stderr)
         return 2
     from loadtest import gpu_bench_model

@@ -135,6 +135,13 @@ def bench_shape(
         for cache in fast.key_caches + fast.value_caches:
             cache.normal_(0.0, 1.0)
     started = time.perf_counter()
+    fast.tune_skinny_matmuls()
+    entry["skinny_matmul_s"] = round(time.perf_counter() - started, 1)
+    entry["skinny_matmul_choices"] = {
+        f"{role}@rows{rows}": list(config) for (role, rows), config in fast.skinny_choices.items()
+    }
+    print("skinny matmul choices", entry["skinny_matmul_choices"], flush=True)
+    started = time.perf_counter()
     fast.capture_graphs()
     entry["graph_capture_s"] = round(time.perf_counter() - started, 1)
 

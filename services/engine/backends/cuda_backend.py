@@ -1,0 +1,43 @@
+"""The "cuda" attention backend of the registry: Triton paged-attention kernels on the GPU.
+
+Registered as "cuda" (base.py imports this module lazily, so CPU machines never import
+Triton). Each layer's forward stores the step's K/V with the store kernel, then runs the
+split-K decode kernel for pure-decode steps or the varlen causal prefill kernel (cached prefix,
+mixed batches) otherwise; dispatch lives in cuda_attention.CudaPagedAttention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.errors import InvalidArgumentError
+from services.engine.backends.base import AttentionBackend, register_backend
+from services.engine.backends.cuda_attention import CudaPagedAttention
+from services.engine.layers.attention_metadata import AttentionMetadata
+
+
+@register_backend("cuda")
+class CudaAttentionBackend(AttentionBackend):
+    """Paged attention through Triton; caches must live on a CUDA device."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            raise InvalidArgumentError(
+                f"the cuda backend needs a power-of-two head_dim >= 16, got {head_dim}"
+            )
+        self._attention = CudaPagedAttention()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if not key_cache.is_cuda:
+            raise InvalidArgumentError("the cuda attention backend needs the KV cache on CUDA")
+        self._attention.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+        return self._attention.forward(query, key_cache, value_cache, metadata, self.scale)

@@ -6,10 +6,11 @@ positive logit, multiply a negative one), presence and frequency penalties to to
 output; min_tokens masks the EOS and stop token ids until reached; then temperature, top-k,
 top-p and min-p; greedy rows (temperature 0) take the argmax.
 
-Sampling uses the exponential race (argmax of probs / Exp(1) noise), which draws from the
-distribution without a host sync. A seeded request draws its noise from its own
-torch.Generator, so the same seed gives the same tokens whatever else is in the batch. The only
-host sync is reading the chosen token ids (and the logprobs when asked).
+Sampling inverts the cumulative distribution with one uniform per row (cheap on CPU, no host
+sync on CUDA). A seeded request draws its uniform from its own torch.Generator, so the same seed
+gives the same tokens whatever else is in the batch. The only host sync is reading the chosen
+token ids (and the logprobs when asked); on CPU, a top-p-only row first looks at its best
+TOP_P_CANDIDATES tokens and reads back whether they hold enough mass.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.outputs import TokenLogprob
+from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
+
+# Candidates examined for a top-p-only row on CPU before falling back to the whole vocabulary.
+TOP_P_CANDIDATES = 512
 
 
 @dataclass
@@ -91,37 +96,95 @@ class Sampler:
     ) -> torch.Tensor:
         params = [seq.params for seq in seqs]
         device = logits.device
-        greedy_choice = logits.argmax(dim=-1) if any(greedy_rows) else None
+        chosen = logits.argmax(dim=-1)  # the greedy rows' answer; others are overwritten
+        full_rows, cut_rows = [], []
+        for row, p in enumerate(params):
+            if greedy_rows[row]:
+                continue
+            (cut_rows if p.top_k > 0 or p.top_p < 1.0 else full_rows).append(row)
         temperatures = torch.tensor(
             [p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32
         ).to(device)
-        logits = logits / temperatures.unsqueeze(1)
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        if any(p < 1.0 for p in top_p):
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        elif any(k > 0 for k in top_k):
-            logits = apply_top_k(logits, top_k)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(m > 0 for m in min_p):
-            min_p_tensor = torch.tensor(min_p, dtype=torch.float32).to(device)
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p_tensor.unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self._generator(device))
-        for row, seq in enumerate(seqs):
-            if seq.params.seed is not None and not greedy_rows[row]:
-                if seq.generator is None:
-                    seq.generator = torch.Generator(device=device)
-                    seq.generator.manual_seed(seq.params.seed)
-                noise[row].exponential_(generator=seq.generator)
-        chosen = (probs / noise).argmax(dim=-1)
-        if greedy_choice is not None:
-            mask = torch.tensor(greedy_rows, dtype=torch.bool).to(device)
-            chosen = torch.where(mask, greedy_choice, chosen)
+        scaled = logits / temperatures.unsqueeze(1)
+        for rows, pass_ in ((full_rows, self._sample_full), (cut_rows, self._sample_cut)):
+            if rows:
+                index = torch.tensor(rows, dtype=torch.long).to(device)
+                picked = pass_(scaled.index_select(0, index), [seqs[row] for row in rows])
+                chosen = chosen.index_copy(0, index, picked)
         return chosen
+
+    def _sample_full(self, scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Rows without top-k/top-p: sample the whole (min-p filtered) distribution."""
+        probs = torch.softmax(scaled, dim=-1)
+        probs = _apply_min_p(probs, [seq.params.min_p for seq in seqs], probs.amax(-1))
+        return self._draw(probs, seqs)
+
+    def _sample_cut(self, scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Rows with top-k and/or top-p: work on each row's best candidates, sorted.
+
+        A row with top-k looks at its k best tokens; a row with only top-p at the
+        TOP_P_CANDIDATES best on CPU (falling back to the whole vocabulary when a row's
+        candidates hold less than p of the mass), the whole vocabulary on other devices (no
+        host sync).
+        """
+        vocab = scaled.shape[1]
+        params = [seq.params for seq in seqs]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        p_only = [p.top_k == 0 for p in params]
+        guess = min(vocab, TOP_P_CANDIDATES) if scaled.device.type == "cpu" else vocab
+        width = max(guess if only_p else k for k, only_p in zip(top_k, p_only, strict=True))
+        probs, indices, mass = self._candidates(scaled, params, top_k, width)
+        if guess < vocab and any(p_only):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            if bool(((mass < top_p) & torch.tensor(p_only)).any()):  # CPU: no device sync
+                probs, indices, _ = self._candidates(scaled, params, top_k, vocab)
+        best = self._draw(probs, seqs)
+        return indices.gather(1, best.unsqueeze(1)).squeeze(1)
+
+    @staticmethod
+    def _candidates(
+        scaled: torch.Tensor, params: list[SamplingParams], top_k: list[int], width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's `width` best tokens with their top-k/top-p/min-p filtered probabilities,
+        and the probability mass the candidates hold before the top-p cut."""
+        device = scaled.device
+        values, indices = torch.topk(scaled, width, dim=-1)  # sorted, best first
+        positions = torch.arange(width, device=device).unsqueeze(0)
+        k_tensor = torch.tensor(top_k, dtype=torch.long).to(device).unsqueeze(1)
+        values = values.masked_fill(positions >= k_tensor, float("-inf"))
+        # Top-k rows renormalise over their k tokens; top-p-only rows over the full vocabulary.
+        normaliser = torch.logsumexp(values, dim=-1)
+        if not all(p.top_k > 0 for p in params):
+            has_k = torch.tensor([p.top_k > 0 for p in params]).to(device)
+            normaliser = torch.where(has_k, normaliser, torch.logsumexp(scaled, dim=-1))
+        probs = torch.exp(values - normaliser.unsqueeze(1))
+        mass = probs.sum(dim=-1)
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params])
+        mass_before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_before >= top_p.to(device).unsqueeze(1), 0.0)
+        probs = _apply_min_p(probs, [p.min_p for p in params], probs[:, 0])
+        return probs, indices, mass
+
+    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One draw per row from unnormalised `probs` by inverting the cumulative sum.
+
+        A seeded row takes exactly one uniform from its own generator per draw, so its tokens
+        do not depend on its companions; the others share the sampler's generator.
+        """
+        device = probs.device
+        uniform = torch.rand(len(seqs), generator=self._generator(device), device=device)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is None:
+                continue
+            if seq.generator is None:
+                seq.generator = torch.Generator(device=device)
+                seq.generator.manual_seed(seq.params.seed)
+            uniform[row] = torch.rand(1, generator=seq.generator, device=device)[0]
+        cumulative = probs.cumsum(dim=-1)
+        # Strictly below the total, so the pick is never past the last token with mass.
+        targets = uniform * cumulative[:, -1] * (1.0 - 2.0**-20)
+        picked = torch.searchsorted(cumulative, targets.unsqueeze(1), right=True)
+        return picked.clamp_(max=probs.shape[1] - 1).squeeze(1)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -133,63 +196,58 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Repetition (prompt + output), presence and frequency (output) penalties, in place."""
-    device = logits.device
-    num_rows, vocab = logits.shape
-    rows_seen, ids_seen, rows_out, ids_out = [], [], [], []
-    for row, seq in enumerate(seqs):
-        rows_seen.extend([row] * len(seq.token_ids))
-        ids_seen.extend(seq.token_ids)
-        rows_out.extend([row] * len(seq.output_token_ids))
-        ids_out.extend(seq.output_token_ids)
-    counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=device)
-    if ids_out:
-        counts.index_put_(
-            (torch.tensor(rows_out).to(device), torch.tensor(ids_out).to(device)),
-            torch.ones(len(ids_out), dtype=torch.float32, device=device),
-            accumulate=True,
-        )
-    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
-    seen[torch.tensor(rows_seen).to(device), torch.tensor(ids_seen).to(device)] = True
+    """Repetition (prompt + output), presence and frequency (output) penalties, in place.
 
-    params = [seq.params for seq in seqs]
-    repetition = torch.tensor([p.repetition_penalty for p in params]).to(device).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params]).to(device).unsqueeze(1)
-    frequency = torch.tensor([p.frequency_penalty for p in params]).to(device).unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
-    logits -= frequency * counts
-    logits -= presence * (counts > 0).float()
+    Sparse: only the (row, token) entries a penalised sequence has seen are touched.
+    """
+    device = logits.device
+    rows_seen: list[int] = []
+    ids_seen: list[int] = []
+    rows_out: list[int] = []
+    ids_out: list[int] = []
+    repetition: list[float] = []
+    frequency: list[float] = []
+    presence_pairs: list[tuple[int, int]] = []
+    presence: list[float] = []
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            rows_seen.extend([row] * len(seq.token_ids))
+            ids_seen.extend(seq.token_ids)
+            repetition.extend([p.repetition_penalty] * len(seq.token_ids))
+        if p.frequency_penalty != 0.0 and seq.output_token_ids:
+            rows_out.extend([row] * len(seq.output_token_ids))
+            ids_out.extend(seq.output_token_ids)
+            frequency.extend([-p.frequency_penalty] * len(seq.output_token_ids))
+        if p.presence_penalty != 0.0 and seq.output_token_ids:
+            unique = sorted(set(seq.output_token_ids))
+            presence_pairs.extend((row, token) for token in unique)
+            presence.extend([-p.presence_penalty] * len(unique))
+    if ids_seen:
+        index = (_long(rows_seen, device), _long(ids_seen, device))
+        values = logits[index]
+        penalty = torch.tensor(repetition, dtype=logits.dtype).to(device)
+        logits[index] = torch.where(values > 0, values / penalty, values * penalty)
+    if ids_out:
+        index = (_long(rows_out, device), _long(ids_out, device))
+        logits.index_put_(index, torch.tensor(frequency, dtype=logits.dtype).to(device), True)
+    if presence_pairs:
+        rows, ids = zip(*presence_pairs, strict=True)
+        index = (_long(list(rows), device), _long(list(ids), device))
+        logits.index_put_(index, torch.tensor(presence, dtype=logits.dtype).to(device), True)
     return logits
 
 
-def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keep each row's k largest logits (ties at the k-th value kept); k = 0 keeps all."""
-    vocab = logits.shape[1]
-    ks = [k if 0 < k < vocab else vocab for k in top_k]
-    max_k = max(ks)
-    values = torch.topk(logits, max_k, dim=-1).values
-    index = torch.tensor([k - 1 for k in ks], dtype=torch.long).to(logits.device)
-    threshold = values.gather(1, index.unsqueeze(1))
-    return logits.masked_fill(logits < threshold, float("-inf"))
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Top-k then top-p (smallest set whose probability reaches p), via one sort."""
-    device = logits.device
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    if any(k > 0 for k in top_k):
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], dtype=torch.long)
-        kth = sorted_logits.gather(1, (vocab - ks.to(device)).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    cumulative = probs.cumsum(dim=-1)
-    p = torch.tensor(top_p, dtype=torch.float32).to(device).unsqueeze(1)
-    drop = cumulative <= 1.0 - p
-    drop[:, -1] = False  # always keep the most likely token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def _apply_min_p(probs: torch.Tensor, min_p: list[float], top_prob: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens whose probability is below min_p times the row's top probability."""
+    if not any(value > 0 for value in min_p):
+        return probs
+    factors = torch.tensor(min_p, dtype=torch.float32).to(probs.device)
+    return probs.masked_fill(probs < (top_prob * factors).unsqueeze(1), 0.0)
 
 
 def _gather_logprobs(raw: torch.Tensor, chosen: torch.Tensor, params: list) -> list:

@@ -149,3 +149,31 @@ def test_temperature_sharpens_distribution():
     probs = [0.4, 0.35, 0.25]
     cold = sample_many(SamplingParams(temperature=0.01), probs, rows=500)
     assert cold == {0}
+
+
+def test_top_p_on_a_flat_distribution_reaches_past_the_candidate_guess():
+    vocab = 2000
+    logits = torch.zeros(400, vocab)
+    seqs = [make_seq(SamplingParams(temperature=1.0, top_p=0.9)) for _ in range(400)]
+    tokens = Sampler(seed=3).sample(logits, seqs).token_ids
+    assert max(tokens) > 600  # beyond the first 512 candidates
+    assert all(token < vocab for token in tokens)
+
+
+def test_seeded_top_p_row_is_unaffected_by_companions_needing_the_fallback():
+    vocab = 3000
+    generator = torch.Generator().manual_seed(4)
+    peaked = torch.randn(vocab, generator=generator) * 4
+    flat = torch.zeros(vocab)
+
+    def run(with_flat_companion: bool) -> list[int]:
+        seeded = make_seq(SamplingParams(temperature=1.0, top_p=0.8, seed=42))
+        seqs = [seeded]
+        rows = [peaked]
+        if with_flat_companion:
+            seqs.append(make_seq(SamplingParams(temperature=1.0, top_p=0.95)))
+            rows.append(flat)
+        sampler = Sampler()
+        return [sampler.sample(torch.stack(rows), seqs).token_ids[0] for _ in range(6)]
+
+    assert run(False) == run(True)

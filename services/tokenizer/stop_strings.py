@@ -5,8 +5,9 @@ plus the new piece; on a match it returns the text before the stop (plus the sto
 `include_stop_str_in_output`) and the stop that matched. Otherwise it releases everything except
 the longest suffix that is a prefix of some stop string: that suffix might become a stop with
 the next piece, so it is held until resolved. The held text is therefore shorter than the
-longest stop string, which bounds the state. The earliest match in the text wins; at the same
-position, the longer stop wins.
+longest stop string, which bounds the state. The stop that completes first in the text wins (as
+if the text arrived one character at a time, so the result does not depend on how it was split);
+of two that complete at the same character, the longer one.
 """
 
 from __future__ import annotations
@@ -56,22 +57,23 @@ class StopStringMatcher:
         if not text:
             return "", None
         buffer = self._held + text
-        match_at = -1
+        match_end = -1
         matched: str | None = None
         for stop in self._stops:
             position = buffer.find(stop)
             if position < 0:
                 continue
+            end = position + len(stop)
             if (
                 matched is None
-                or position < match_at
-                or (position == match_at and len(stop) > len(matched))
+                or end < match_end
+                or (end == match_end and len(stop) > len(matched))
             ):
-                match_at, matched = position, stop
+                match_end, matched = end, stop
         if matched is not None:
             self._held = ""
-            end = match_at + len(matched) if self._include else match_at
-            return buffer[:end], matched
+            cut = match_end if self._include else match_end - len(matched)
+            return buffer[:cut], matched
         hold = self._partial_stop_length(buffer)
         self._held = buffer[len(buffer) - hold :] if hold else ""
         return buffer[: len(buffer) - hold], None

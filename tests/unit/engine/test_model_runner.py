@@ -1,0 +1,128 @@
+"""ModelRunner on the default model (GGUF-converted) and on dummy shapes; input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import InvalidArgumentError
+from services.common.model_files import resolve_model
+from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
+from services.engine.model_runner import ModelRunner
+from tests.unit.engine.models.helpers import BlockAllocator, step
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def default_runner() -> ModelRunner:
+    return ModelRunner(resolve_model(None), block_size=BLOCK_SIZE, kv_cache_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def tiny_runner() -> ModelRunner:
+    return ModelRunner(resolve_model("dummy:tiny"), block_size=BLOCK_SIZE, kv_cache_bytes=4 << 20)
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers(default_runner: ModelRunner) -> None:
+    from transformers import AutoModelForCausalLM
+
+    files = default_runner.model_files
+    reference = AutoModelForCausalLM.from_pretrained(files.weights_dir, dtype=torch.float32)
+    config = default_runner.model_config
+    assert config.architecture == "LlamaForCausalLM"
+    assert config.vocab_size == 49152 and config.num_layers == 30
+    assert config.num_kv_heads == 3 and config.head_dim == 64
+    assert 2 in config.eos_token_ids
+    allocator = BlockAllocator(default_runner.num_blocks, BLOCK_SIZE, seed=3)
+    prompts = {0: list(range(300, 320)), 1: [1, 9690, 198, 2683, 314, 253, 1345]}
+    ours: dict[int, list[torch.Tensor]] = {seq: [] for seq in prompts}
+    pieces = [(seq, list(tokens), 0, True) for seq, tokens in prompts.items()]
+    for _ in range(4):  # a prefill of both, then three decode steps over the paged cache
+        logits = default_runner.execute(step(allocator, pieces))
+        pieces = []
+        for row, (seq, history) in enumerate(prompts.items()):
+            ours[seq].append(logits[row])
+            token = int(logits[row].argmax())
+            pieces.append((seq, [token], len(history), True))
+            history.append(token)
+    for seq, history in prompts.items():
+        with torch.no_grad():  # one reference pass gives the logits at every position
+            expected = reference(torch.tensor([history[:-1]])).logits[0, -4:]
+        for index, row in enumerate(ours[seq]):
+            torch.testing.assert_close(row, expected[index], atol=2e-3, rtol=1e-3)
+            assert int(row.argmax()) == int(expected[index].argmax())
+
+
+@pytest.mark.parametrize("shape", ["tiny", "smollm2-135m"])
+def test_dummy_shapes_build_and_give_finite_logits(shape: str) -> None:
+    runner = ModelRunner(resolve_model(f"dummy:{shape}"), kv_cache_bytes=8 << 20, seed=7)
+    assert runner.num_blocks > 0
+    assert runner.model_config.vocab_size == 49152
+    assert runner.model_config.eos_token_ids == (2,)
+    batch = step(BlockAllocator(runner.num_blocks, 16), [(0, [5, 6, 7, 8], 0, True)])
+    logits = runner.execute(batch)
+    assert logits.shape == (1, 49152)
+    assert torch.isfinite(logits).all()
+    assert logits.std() > 0
+
+
+def test_dummy_weights_are_seeded() -> None:
+    files = resolve_model("dummy:tiny")
+    first = ModelRunner(files, kv_cache_bytes=1 << 20, seed=1)
+    same = ModelRunner(files, kv_cache_bytes=1 << 20, seed=1)
+    other = ModelRunner(files, kv_cache_bytes=1 << 20, seed=2)
+    weight = "model.layers.0.self_attn.qkv_proj.weight"
+    params = [dict(r.model.named_parameters())[weight] for r in (first, same, other)]
+    assert torch.equal(params[0], params[1])
+    assert not torch.equal(params[0], params[2])
+
+
+def test_only_rows_that_need_logits_are_returned(tiny_runner: ModelRunner) -> None:
+    allocator = BlockAllocator(tiny_runner.num_blocks, BLOCK_SIZE)
+    batch = step(allocator, [(0, [1, 2, 3], 0, False), (1, [4, 5], 0, True)])
+    logits = tiny_runner.execute(batch)
+    assert logits.shape == (1, 49152)
+    alone = tiny_runner.execute(step(allocator, [(2, [4, 5], 0, True)]))
+    torch.testing.assert_close(logits[0], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_in_a_batch_equals_decode_alone(tiny_runner: ModelRunner) -> None:
+    allocator = BlockAllocator(tiny_runner.num_blocks, BLOCK_SIZE, seed=5)
+    prompts = [[7] * 3, list(range(10, 50)), [9, 8, 7, 6, 5]]
+    tiny_runner.execute(step(allocator, [(i, p, 0, True) for i, p in enumerate(prompts)]))
+    together = tiny_runner.execute(
+        step(allocator, [(i, [11], len(p), True) for i, p in enumerate(prompts)])
+    )
+    # The same decode for sequence 1 again, alone, over the same cache (same position).
+    alone = tiny_runner.execute(step(allocator, [(1, [11], len(prompts[1]), True)]))
+    torch.testing.assert_close(together[1], alone[0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(together[0], together[1])
+
+
+def test_empty_batch_gives_no_rows(tiny_runner: ModelRunner) -> None:
+    assert tiny_runner.execute(ScheduledBatch([])).shape == (0, 49152)
+
+
+@pytest.mark.parametrize(
+    "sequence, message",
+    [
+        (ScheduledSequence(0, [1, 2, 3], 0, [], True), "blocks cannot hold"),
+        (ScheduledSequence(0, [1, 49152], 0, [0], True), "token ids"),
+        (ScheduledSequence(0, [-1], 0, [0], True), "token ids"),
+        (ScheduledSequence(0, [], 0, [0], True), "no tokens"),
+        (ScheduledSequence(0, [1], 2048, list(range(129)), True), "max_model_len"),
+    ],
+)
+def test_bad_batches_are_refused(
+    tiny_runner: ModelRunner, sequence: ScheduledSequence, message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        tiny_runner.execute(ScheduledBatch([sequence]))
+
+
+def test_max_model_len_caps_context() -> None:
+    runner = ModelRunner(resolve_model("dummy:tiny"), kv_cache_bytes=1 << 20, max_model_len=64)
+    assert runner.model_config.max_model_len == 64
+    assert runner.dtype == torch.float32 and runner.device.type == "cpu"

@@ -35,7 +35,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgumentError, SluiceError, UnavailableError
 from services.common.redis_server import free_port
-from services.common.redis_store import SharedStore, StoreConfig, open_store
+from services.common.redis_store import StoreConfig, open_store
 from services.engine.registration import EngineRecord, EngineRegistration
 from services.engine.worker_config import WorkerConfig
 
@@ -250,11 +250,6 @@ def record_from_info(engine_id: str, address: str, info: Any, started_at: float)
         started_at=started_at,
         extra={"instance_id": info.engine_id},
     )
-
-
-def shared_store(settings: EngineWorkerSettings) -> SharedStore:
-    """The store an engine registers in (exposed for callers that register without Ray)."""
-    return open_store(settings.store)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -264,3 +264,49 @@ def test_worker_config_rejects_bad_interval(interval: float) -> None:
 
     with pytest.raises(InvalidArgumentError):
         WorkerConfig.from_argv(["--load-report-interval-s", str(interval)])
+
+
+def test_a_failing_step_fails_live_requests_and_the_loop_keeps_serving() -> None:
+    import queue
+
+    from services.engine.engine_loop import EngineLoop, LoopOutput, Submit
+
+    engine = LLMEngine(ENGINE_CONFIG)
+    real_step = engine.step
+    failures = {"left": 1}
+
+    def flaky_step():  # noqa: ANN202
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("simulated device error")
+        return real_step()
+
+    engine.step = flaky_step  # type: ignore[method-assign]
+    outputs: queue.Queue[LoopOutput] = queue.Queue()
+    loop = EngineLoop(engine, outputs.put, load_report_interval_s=0.1)
+    loop.start()
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        loop.submit([Submit("a", [1, 2, 3], params), Submit("b", [4, 5], params)])
+        finished: dict[str, object] = {}
+        while len(finished) < 2:
+            for delta in outputs.get(timeout=TIMEOUT_S).deltas:
+                if delta.finished:
+                    finished[delta.request_id] = delta
+        assert {d.finish_reason.value for d in finished.values()} == {"error"}
+        assert all("simulated device error" in d.error for d in finished.values())
+        loop.submit([Submit("c", [1, 2, 3], params)])
+        tokens: list[int] = []
+        while True:
+            output = outputs.get(timeout=TIMEOUT_S)
+            assert not any(d.request_id in ("a", "b") for d in output.deltas)
+            done = [d for d in output.deltas if d.request_id == "c"]
+            for delta in done:
+                tokens += delta.new_token_ids
+            if any(d.finished for d in done):
+                break
+        assert len(tokens) == 3
+        load = engine.load()
+        assert load.free_blocks == load.total_blocks
+    finally:
+        loop.stop()

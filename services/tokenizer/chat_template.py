@@ -46,8 +46,18 @@ def _strftime_now(format_string: str) -> str:
     return datetime.now().strftime(format_string)
 
 
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, but touching an unsafe attribute fails at once (plain Jinja
+    would render it as an empty undefined value and carry on)."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        raise SecurityError(
+            f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe"
+        )
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    environment = ImmutableSandboxedEnvironment(
+    environment = _StrictSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols"],

@@ -1,0 +1,61 @@
+"""Encoding prompts: text and chat, special tokens, and truncation that is never silent."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgumentError
+from services.tokenizer.tokenize import EncodeItem
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_text_matches_the_hf_tokenizer(smollm) -> None:
+    text = "Hello 😀 世界, how are you?"
+    assert smollm.encode_item(EncodeItem(text=text)) == smollm.hf_tokenizer.encode(text)
+    assert smollm.encode_item(
+        EncodeItem(text=text, add_special_tokens=False)
+    ) == smollm.hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_matches_apply_chat_template(smollm) -> None:
+    expected = smollm.hf_tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True
+    )
+    if isinstance(expected, dict) or hasattr(expected, "input_ids"):
+        expected = expected["input_ids"]
+    assert smollm.encode_item(EncodeItem(chat=CHAT)) == list(expected)
+    no_prompt = smollm.encode_item(EncodeItem(chat=CHAT, add_generation_prompt=False))
+    assert len(no_prompt) < len(expected)
+
+
+def test_over_long_prompt_is_an_error_saying_how_long(smollm) -> None:
+    text = "one two three four five six seven eight nine ten"
+    length = len(smollm.encode_item(EncodeItem(text=text)))
+    assert smollm.encode_item(EncodeItem(text=text, max_tokens=length))
+    with pytest.raises(InvalidArgumentError, match=f"prompt is {length} tokens.*limit of 5"):
+        smollm.encode_item(EncodeItem(text=text, max_tokens=5))
+    chat_length = len(smollm.encode_item(EncodeItem(chat=CHAT)))
+    with pytest.raises(InvalidArgumentError, match=f"prompt is {chat_length} tokens"):
+        smollm.encode_item(EncodeItem(chat=CHAT, max_tokens=3))
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [
+        (EncodeItem(text=""), "text is empty"),
+        (EncodeItem(), "needs text or chat"),
+        (EncodeItem(chat=[]), "at least one message"),
+        (EncodeItem(chat=[{"role": "", "content": "x"}]), "empty role"),
+        (EncodeItem(text="x", max_tokens=-1), "max_tokens"),
+    ],
+)
+def test_bad_items_are_invalid_arguments(smollm, item, fragment) -> None:
+    with pytest.raises(InvalidArgumentError, match=fragment):
+        smollm.encode_item(item)
+
+
+def test_info_facts(smollm) -> None:
+    assert smollm.vocab_size == len(smollm.hf_tokenizer)
+    assert smollm.hf_tokenizer.eos_token_id in smollm.eos_token_ids
+    assert smollm.chat_template is not None

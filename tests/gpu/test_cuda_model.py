@@ -128,3 +128,31 @@ def test_greedy_decode_matches_transformers(models) -> None:
             expected = _reference_logits(reference, sequence)[-1]
             assert _relative_error(step_logits[row], expected) < 3e-2
         sequences = [s + [int(t)] for s, t in zip(sequences, next_tokens.tolist(), strict=True)]
+
+
+def test_decode_next_feeds_sampled_tokens_on_the_gpu(models) -> None:
+    from services.engine.backends.cuda_model import prefill_metadata
+
+    reference, fast = models
+    if not USE_GRAPHS:
+        pytest.skip("decode_next replays captured graphs")
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=generator).tolist() for n in (12, 40)]
+    tables = _tables([len(p) + 6 for p in prompts], first_block=20)
+    positions, metadata = prefill_metadata(
+        [len(p) for p in prompts], [0, 0], tables, BLOCK_SIZE, DEVICE
+    )
+    with torch.no_grad():
+        logits = fast.forward(torch.tensor(sum(prompts, []), device=DEVICE), positions, metadata)
+        sequences = [p + [int(t)] for p, t in zip(prompts, logits.argmax(-1).tolist(), strict=True)]
+        width = max(len(t) for t in tables)
+        table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        ids = torch.tensor([s[-1] for s in sequences])
+        step_positions = torch.tensor([len(s) - 1 for s in sequences])
+        step_logits, next_tokens = fast.decode(ids, step_positions, table_tensor)
+        for _ in range(3):
+            for row, sequence in enumerate(sequences):
+                expected = _reference_logits(reference, sequence)[-1]
+                assert _relative_error(step_logits[row], expected) < 3e-2
+            sequences = [s + [int(t)] for s, t in zip(sequences, next_tokens.tolist(), strict=True)]
+            step_logits, next_tokens = fast.decode_next(len(sequences))

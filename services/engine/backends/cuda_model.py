@@ -232,6 +232,17 @@ class CudaLlama:
         self.graphs.replay(count)
         return buffers.logits[:count], buffers.next_tokens[:count]
 
+    def decode_next(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next greedy step of the same `count` sequences, fed on the GPU from the previous
+        step's sampled tokens (positions advance by one), so the host can enqueue it before it
+        reads those tokens. Block tables must already cover the new positions."""
+        buffers = self._static
+        buffers.input_ids[:count].copy_(buffers.next_tokens[:count])
+        buffers.positions[:count] += 1
+        buffers.seq_lens[:count] += 1
+        self.graphs.replay(count)
+        return buffers.logits[:count], buffers.next_tokens[:count]
+
 
 class _StaticDecodeBuffers:
     """The fixed tensors captured decode graphs read and write."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -131,7 +132,12 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
         )
         stack = Stack(config)
         print("sluice: starting tokenizer, engine(s) and router ...", file=sys.stderr, flush=True)
-        stack.start()
+        # SIGTERM during start-up stops the children started so far, like Ctrl-C does.
+        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        try:
+            stack.start()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     except SluiceError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
@@ -139,6 +145,10 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
         return 130
     print(f"Sluice router ready at {stack.router_address}", flush=True)
     return stack.run_until_signal(lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def run_generate(namespace: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ class StackConfig:
     """What to start. Extra argv lists pass flags through to one kind of service unchanged."""
 
     model: str | None = None
-    host: str = LOOPBACK
+    host: str = LOOPBACK  # the router's address; internal services always bind loopback
     port: int = 50051  # the router's port; 0 picks a free one
     engines: int = 1
     router_args: tuple[str, ...] = ()
@@ -113,9 +113,15 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def spawn_service(
-    config: StackConfig, name: str, service: str, port: int, argv: Sequence[str]
+    config: StackConfig,
+    name: str,
+    service: str,
+    port: int,
+    argv: Sequence[str],
+    *,
+    host: str = LOOPBACK,
 ) -> ChildProcess:
-    """Start `sluice serve <service>` on `config.host:port` as a child process."""
+    """Start `sluice serve <service>` on `host:port` as a child process."""
     command = [
         sys.executable,
         "-m",
@@ -123,7 +129,7 @@ def spawn_service(
         "serve",
         service,
         "--host",
-        config.host,
+        host,
         "--port",
         str(port),
         *argv,
@@ -147,7 +153,7 @@ def spawn_service(
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )
-    return ChildProcess(name, f"{config.host}:{port}", process, log_path, log_file)
+    return ChildProcess(name, f"{host}:{port}", process, log_path, log_file)
 
 
 def start_engine_processes(config: StackConfig, model: ModelSpec) -> list[ChildProcess]:
@@ -157,7 +163,7 @@ def start_engine_processes(config: StackConfig, model: ModelSpec) -> list[ChildP
             config,
             f"engine-{index}",
             "engine",
-            free_port(config.host),
+            free_port(),
             [*model.flags(), *config.engine_args],
         )
         for index in range(config.engines)
@@ -218,7 +224,7 @@ class Stack:
             config,
             "tokenizer",
             "tokenizer",
-            free_port(config.host),
+            free_port(),
             [*model.flags(), *config.tokenizer_args],
         )
         self.engines = self.engine_starter(config, model)
@@ -234,6 +240,7 @@ class Stack:
                 *router_flags(self.tokenizer.address, self.engine_addresses),
                 *config.router_args,
             ],
+            host=config.host,
         )
         wait_until_serving(self.router, deadline)
 

@@ -121,3 +121,45 @@ def test_bad_model_fails_before_starting_children(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith("error: NOT_FOUND: ")
+
+
+def test_terminate_kills_a_child_that_ignores_sigterm() -> None:
+    from services.launcher import ChildProcess, terminate
+
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert stubborn.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    terminate([ChildProcess("stubborn", "127.0.0.1:1", stubborn)], grace_s=0.5)
+    assert stubborn.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 10
+
+
+def test_a_child_failing_to_start_is_named_and_the_rest_stopped(tmp_path: Path) -> None:
+    from services.common.errors import UnavailableError
+    from services.launcher import StackConfig
+
+    stack = Stack(
+        StackConfig(
+            model="dummy:tiny",
+            port=0,
+            engine_args=("--block-size", "3"),
+            log_dir=tmp_path,
+            startup_timeout_s=300,
+        )
+    )
+    with pytest.raises(UnavailableError, match="engine-0 exited with code") as caught:
+        stack.start()
+    assert "block_size must be a power of two" in str(caught.value)  # the child's log tail
+    assert stack.router is None
+    assert all(not child.alive() for child in stack.children)

@@ -10,6 +10,7 @@ to the Rust `tokenizers` backend, which is what keeps the detokenizer cheap per 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -65,13 +66,11 @@ class TokenizerModel:
     @classmethod
     def load(cls, model: str | None, *, max_text_chars: int = 4_000_000) -> TokenizerModel:
         """Resolve `model` like the engine does and load its tokenizer."""
-        from transformers import AutoTokenizer
-
         from services.common.model_files import resolve_model
 
         files = resolve_model(model)
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(str(files.tokenizer_dir))
+            hf_tokenizer = _load_hf_tokenizer(Path(files.tokenizer_dir))
         except (OSError, ValueError) as exc:
             raise FailedPreconditionError(
                 f"cannot load the tokenizer of {files.name} from {files.tokenizer_dir}: {exc}"
@@ -129,6 +128,26 @@ class TokenizerModel:
                 "(prompts are never truncated)"
             )
         return ids
+
+
+# Generic fast-tokenizer classes: loaded without AutoTokenizer, which would read the model's
+# config class and import torch (seconds of start-up and hundreds of MB for this service).
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_hf_tokenizer(directory: Path) -> Any:
+    tokenizer_class = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        tokenizer_class = json.loads((directory / "tokenizer_config.json").read_text()).get(
+            "tokenizer_class"
+        )
+    if (directory / "tokenizer.json").is_file() and tokenizer_class in _GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
 
 
 def _chat_template_of(hf_tokenizer: Any, max_chars: int) -> ChatTemplate | None:

@@ -70,10 +70,16 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._tables(None)  # on the meta device when the model is built there
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def begin_step(self) -> None:
+        """Forget the last step's cos/sin rows (the model calls this at each forward)."""
+        self._last = None
 
     def reset_cache(self, device: torch.device | str) -> None:
         """Recompute the tables on `device` (after building the model on the meta device)."""
         self.cos_cache, self.sin_cache = self._tables(torch.device(device))
+        self._last = None
 
     def _tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling)
@@ -88,9 +94,20 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(query.dtype)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(query.dtype)
+        cos, sin = self._lookup(positions, query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def _lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a step passes the same positions tensor: look the rows up once.
+        cached = self._last
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2], cached[3]
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,7 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        self.rotary.begin_step()
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from services.common.errors import (
     AlreadyExistsError,
+    InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
     SluiceError,
@@ -123,6 +124,8 @@ class DetokenizeSession:
 
     def _apply(self, update: Update) -> Delta | None:
         request_id = update.request_id
+        if not request_id:
+            raise InvalidArgumentError("an update needs a request_id")
         if update.cancel:
             self._close(request_id)
             return Delta(request_id, closed=True)

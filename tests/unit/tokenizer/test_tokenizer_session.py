@@ -128,10 +128,11 @@ def test_bad_options_and_duplicates_are_item_errors(smollm) -> None:
             Update("a", [1], DecodeOptions(stop=("",))),
             Update("b", [42], DecodeOptions()),
             Update("b", [42], DecodeOptions()),
+            Update("", [42], DecodeOptions()),
         ]
     )
     codes = [(d.request_id, d.error_code) for d in deltas if d.error_code]
-    assert codes == [("a", "INVALID_ARGUMENT"), ("b", "ALREADY_EXISTS")]
+    assert codes == [("a", "INVALID_ARGUMENT"), ("b", "ALREADY_EXISTS"), ("", "INVALID_ARGUMENT")]
     assert session.live_requests == 1  # "b" keeps decoding
 
 

@@ -33,95 +33,26 @@ from typing import Any
 
 import grpc
 
-from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
 from services.common import metrics
 from services.common.config import describe
 from services.common.errors import SluiceError, UnavailableError
 from services.common.grpc_server import start_server
 from services.engine.engine_loop import EngineLoop, LoopOutput, Rejection, Submit
-from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta
-from services.engine.sampling_params import SamplingParams
+from services.engine.outputs import EngineLoad, SequenceDelta
+from services.engine.server_convert import (
+    load_to_pb,
+    rejection_to_pb,
+    sampling_params_from_pb,
+    update_to_pb,
+)
+from services.engine.server_metrics import MetricsRecorder
 from services.engine.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "sluice.v1.Engine"
 _SEPARATOR = "/"
-
-FINISH_REASONS_PB = {
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP_STRING: common_pb2.FINISH_REASON_STOP_STRING,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
-}
-_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
-_PLAIN_PARAMS = (
-    "min_tokens",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "include_stop_str_in_output",
-    "ignore_eos",
-)
-
-
-def sampling_params_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults; raises InvalidArgumentError."""
-    values: dict[str, Any] = {name: getattr(message, name) for name in _PLAIN_PARAMS}
-    for name in _OPTIONAL_PARAMS:
-        if message.HasField(name):
-            values[name] = getattr(message, name)
-    values["stop"] = tuple(message.stop)
-    values["stop_token_ids"] = tuple(message.stop_token_ids)
-    return SamplingParams(**values)
-
-
-def load_to_pb(load: EngineLoad) -> engine_pb2.EngineLoad:
-    return engine_pb2.EngineLoad(
-        free_blocks=load.free_blocks,
-        total_blocks=load.total_blocks,
-        running=load.running,
-        waiting=load.waiting,
-        resident_adapters=list(load.resident_adapters),
-    )
-
-
-def update_to_pb(request_id: str, delta: SequenceDelta) -> engine_pb2.SequenceUpdate:
-    update = engine_pb2.SequenceUpdate(
-        request_id=request_id,
-        token_ids=delta.new_token_ids,
-        usage=common_pb2.Usage(
-            prompt_tokens=delta.num_prompt_tokens,
-            completion_tokens=delta.num_output_tokens,
-            cached_prompt_tokens=delta.num_cached_prompt_tokens,
-        ),
-    )
-    if delta.logprobs:
-        update.logprobs.extend(
-            common_pb2.TokenLogprob(
-                token_id=item.token_id,
-                logprob=item.logprob,
-                top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in item.top],
-            )
-            for item in delta.logprobs
-        )
-    if delta.finished or delta.finish_reason is not None:
-        reason = delta.finish_reason or FinishReason.STOP
-        update.finish_reason = FINISH_REASONS_PB[reason]
-    if delta.error:
-        update.error.code = "INTERNAL"
-        update.error.message = delta.error
-    return update
-
-
-def rejection_to_pb(request_id: str, rejection: Rejection) -> engine_pb2.SequenceUpdate:
-    return engine_pb2.SequenceUpdate(
-        request_id=request_id,
-        finish_reason=common_pb2.FINISH_REASON_ERROR,
-        error=common_pb2.ItemError(code=rejection.code, message=rejection.message),
-    )
 
 
 @dataclass
@@ -151,12 +82,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._load: EngineLoad | None = None
         self._step_index = 0
         self._asyncio_loop: asyncio.AbstractEventLoop | None = None
+        self._metrics: MetricsRecorder | None = None
 
     # ---- wiring ---------------------------------------------------------------------------
     def attach(self, engine: Any, asyncio_loop: asyncio.AbstractEventLoop) -> EngineLoop:
         """Start serving `engine` (an LLMEngine); outputs come back on `asyncio_loop`."""
         self._asyncio_loop = asyncio_loop
         self._info = engine.info
+        self._metrics = MetricsRecorder(engine)
         engine_loop = EngineLoop(
             engine, self._from_engine_thread, load_report_interval_s=self._interval
         )
@@ -166,7 +99,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_loop
 
     def _from_engine_thread(self, output: LoopOutput) -> None:
-        _record_metrics(output)
+        if self._metrics is not None:
+            self._metrics.record(output)
         loop = self._asyncio_loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
@@ -337,20 +271,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 def _refusal(request_id: str, code: str, message: str) -> engine_pb2.SequenceUpdate:
     return rejection_to_pb(request_id, Rejection(request_id, code, message))
-
-
-def _record_metrics(output: LoopOutput) -> None:
-    load = output.load
-    metrics.ENGINE_RUNNING_SEQUENCES.set(load.running)
-    metrics.ENGINE_WAITING_SEQUENCES.set(load.waiting)
-    metrics.ENGINE_KV_BLOCKS_FREE.set(load.free_blocks)
-    metrics.ENGINE_KV_BLOCKS_USED.set(load.total_blocks - load.free_blocks)
-    metrics.ENGINE_RESIDENT_ADAPTERS.set(len(load.resident_adapters))
-    if output.deltas:
-        metrics.ENGINE_STEP_TIME.observe(output.step_time_s)
-        generated = sum(len(delta.new_token_ids) for delta in output.deltas)
-        if generated:
-            metrics.ENGINE_GENERATED_TOKENS.inc(generated)
 
 
 async def serve(config: WorkerConfig, *, stop_event: asyncio.Event | None = None) -> None:

@@ -131,6 +131,10 @@ def test_info_and_greedy_generation_match_the_offline_engine() -> None:
     prompts = [[1, 2, 3, 4], [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13, 14, 15, 16, 17]]
     expected = offline_greedy(prompts, max_tokens=6)
 
+    from prometheus_client import REGISTRY
+
+    generated_before = REGISTRY.get_sample_value("sluice_engine_generated_tokens_total") or 0.0
+
     async def scenario() -> None:
         async with engine_server() as (stub, servicer):
             info = await stub.Info(engine_pb2.EngineInfoRequest())
@@ -157,6 +161,9 @@ def test_info_and_greedy_generation_match_the_offline_engine() -> None:
             await wait_all_blocks_free(stub)
 
     asyncio.run(scenario())
+    generated = REGISTRY.get_sample_value("sluice_engine_generated_tokens_total")
+    assert generated - generated_before == 6 * len(prompts)
+    assert REGISTRY.get_sample_value("sluice_engine_kv_blocks_used") == 0
 
 
 def test_bad_requests_fail_alone_and_the_session_keeps_serving() -> None:

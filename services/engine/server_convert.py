@@ -1,0 +1,90 @@
+"""Protobuf <-> domain conversions of the engine worker (engine.proto, common.proto).
+
+Kept apart from the servicer so it stays thin: SamplingParams from the wire (unset optional
+fields take the documented defaults; validation raises InvalidArgumentError), and SequenceDelta /
+EngineLoad / Rejection to SequenceUpdate / EngineLoad messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protos.sluice.v1 import common_pb2, engine_pb2
+from services.engine.engine_loop import Rejection
+from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta
+from services.engine.sampling_params import SamplingParams
+
+FINISH_REASONS_PB = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP_STRING: common_pb2.FINISH_REASON_STOP_STRING,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
+_PLAIN_PARAMS = (
+    "min_tokens",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "include_stop_str_in_output",
+    "ignore_eos",
+)
+
+
+def sampling_params_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults; raises InvalidArgumentError."""
+    values: dict[str, Any] = {name: getattr(message, name) for name in _PLAIN_PARAMS}
+    for name in _OPTIONAL_PARAMS:
+        if message.HasField(name):
+            values[name] = getattr(message, name)
+    values["stop"] = tuple(message.stop)
+    values["stop_token_ids"] = tuple(message.stop_token_ids)
+    return SamplingParams(**values)
+
+
+def load_to_pb(load: EngineLoad) -> engine_pb2.EngineLoad:
+    return engine_pb2.EngineLoad(
+        free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks,
+        running=load.running,
+        waiting=load.waiting,
+        resident_adapters=list(load.resident_adapters),
+    )
+
+
+def update_to_pb(request_id: str, delta: SequenceDelta) -> engine_pb2.SequenceUpdate:
+    update = engine_pb2.SequenceUpdate(
+        request_id=request_id,
+        token_ids=delta.new_token_ids,
+        usage=common_pb2.Usage(
+            prompt_tokens=delta.num_prompt_tokens,
+            completion_tokens=delta.num_output_tokens,
+            cached_prompt_tokens=delta.num_cached_prompt_tokens,
+        ),
+    )
+    if delta.logprobs:
+        update.logprobs.extend(
+            common_pb2.TokenLogprob(
+                token_id=item.token_id,
+                logprob=item.logprob,
+                top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in item.top],
+            )
+            for item in delta.logprobs
+        )
+    if delta.finished or delta.finish_reason is not None:
+        reason = delta.finish_reason or FinishReason.STOP
+        update.finish_reason = FINISH_REASONS_PB[reason]
+    if delta.error:
+        update.error.code = "INTERNAL"
+        update.error.message = delta.error
+    return update
+
+
+def rejection_to_pb(request_id: str, rejection: Rejection) -> engine_pb2.SequenceUpdate:
+    return engine_pb2.SequenceUpdate(
+        request_id=request_id,
+        finish_reason=common_pb2.FINISH_REASON_ERROR,
+        error=common_pb2.ItemError(code=rejection.code, message=rejection.message),
+    )

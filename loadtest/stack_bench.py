@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -256,6 +257,104 @@ def _cpu_seconds(pid: int | None) -> float | None:
     return times.user + times.system
 
 
+class SyntheticEngine(engine_pb2_grpc.EngineServicer):
+    """An engine without a model: every `step_s` each live request gets one token.
+
+    With it the engine is never the limit, so the run measures what the router and tokenizer
+    can stream (`--synthetic-step-ms`). It speaks the real EngineSession protocol.
+    """
+
+    def __init__(self, step_s: float, vocab_size: int = 49152, max_model_len: int = 4096) -> None:
+        self.step_s = step_s
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    async def Info(self, request, context):  # noqa: N802 - gRPC method name
+        return engine_pb2.EngineInfo(
+            model="synthetic",
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=16,
+            num_blocks=1 << 20,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            engine_id="synthetic",
+            load=engine_pb2.EngineLoad(free_blocks=1 << 20),
+        )
+
+    async def EngineSession(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        live: dict[str, list[int]] = {}  # id -> [generated, max_tokens, prompt_tokens]
+        aborted: list[str] = []
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for submit in message.submits:
+                    max_tokens = submit.params.max_tokens or 16
+                    live[submit.request_id] = [0, max_tokens, len(submit.prompt_token_ids)]
+                for request_id in message.aborts:
+                    if live.pop(request_id, None) is not None:
+                        aborted.append(request_id)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        index = 0
+        try:
+            while not reader.done():
+                await asyncio.sleep(self.step_s)
+                index += 1
+                step = engine_pb2.EngineStep(step_index=index)
+                for request_id in aborted:
+                    step.updates.add(request_id=request_id, finish_reason=4)
+                aborted.clear()
+                for request_id, state in list(live.items()):
+                    state[0] += 1
+                    update = step.updates.add(
+                        request_id=request_id, token_ids=[1000 + (index * 7 + state[0]) % 4000]
+                    )
+                    if state[0] >= state[1]:
+                        update.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                        update.usage.prompt_tokens = state[2]
+                        update.usage.completion_tokens = state[0]
+                        del live[request_id]
+                step.load.free_blocks = 1 << 20
+                step.load.running = len(live)
+                yield step
+        finally:
+            reader.cancel()
+
+
+async def _serve_synthetic_engine(port: int, step_s: float) -> None:
+    from services.common.grpc_server import start_server
+
+    engine = SyntheticEngine(step_s)
+    server = await start_server(
+        f"127.0.0.1:{port}",
+        lambda s: engine_pb2_grpc.add_EngineServicer_to_server(engine, s),
+        ["sluice.v1.Engine"],
+    )
+    await server.set_serving(True)
+    await server.server.wait_for_termination()
+
+
+def _synthetic_engine_starter(step_ms: float):
+    from services.launcher import ChildProcess, free_port
+
+    def start(config, model) -> list:
+        port = free_port(config.host)
+        command = [
+            sys.executable,
+            "-m",
+            "loadtest.stack_bench",
+            "--serve-synthetic-engine",
+            str(port),
+            "--synthetic-step-ms",
+            str(step_ms),
+        ]
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        return [ChildProcess("synthetic-engine", f"{config.host}:{port}", process)]
+
+    return start
+
+
 def _find_pid(port: int) -> int | None:
     for connection in psutil.net_connections(kind="tcp"):
         if connection.laddr and connection.laddr.port == port and connection.status == "LISTEN":
@@ -275,7 +374,11 @@ async def run(args: argparse.Namespace) -> dict:
         config = StackConfig(
             model=args.model, port=0, router_args=("--log-level", "WARNING"), log_dir=log_dir
         )
-        stack = Stack(config).start()
+        if args.synthetic_step_ms:
+            starter = _synthetic_engine_starter(args.synthetic_step_ms)
+            stack = Stack(config, engine_starter=starter).start()
+        else:
+            stack = Stack(config).start()
         router, tokenizer = stack.router_address, stack.tokenizer_address
         engine = stack.engine_addresses[0]
         pid = stack.router.process.pid
@@ -295,7 +398,9 @@ async def run(args: argparse.Namespace) -> dict:
         result = engine_result or router_result
         return {"only": {**asdict(result), "tokens_per_s": result.tokens_per_s}}
     report = {
-        "model": args.model,
+        "model": f"synthetic ({args.synthetic_step_ms} ms steps)"
+        if args.synthetic_step_ms
+        else args.model,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "duration_s": args.duration,
@@ -357,8 +462,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--only", choices=("router", "engine"), help="run one side only (for profiling)"
     )
+    parser.add_argument(
+        "--synthetic-step-ms",
+        type=float,
+        help="replace the engine by a model-free one stepping every this many ms",
+    )
+    parser.add_argument(
+        "--serve-synthetic-engine", type=int, metavar="PORT", help=argparse.SUPPRESS
+    )
     parser.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
+    if args.serve_synthetic_engine:
+        asyncio.run(
+            _serve_synthetic_engine(args.serve_synthetic_engine, args.synthetic_step_ms / 1000)
+        )
+        return 0
     if args.router and not (args.engine and args.tokenizer):
         parser.error("--router needs --engine and --tokenizer")
     if args.concurrency < 1 or args.max_tokens < 1 or args.duration <= 0:

@@ -63,9 +63,9 @@ class Sampler:
         if banned:
             if not modified:
                 logits = logits.clone()
-            rows = torch.tensor([row for row, _ in banned], dtype=torch.long)
-            cols = torch.tensor([token for _, token in banned], dtype=torch.long)
-            logits[rows.to(device), cols.to(device)] = float("-inf")
+            rows = to_device([row for row, _ in banned], torch.long, device)
+            cols = to_device([token for _, token in banned], torch.long, device)
+            logits[rows, cols] = float("-inf")
 
         greedy_rows = [p.temperature == 0.0 for p in params]
         if all(greedy_rows):
@@ -102,13 +102,13 @@ class Sampler:
             if greedy_rows[row]:
                 continue
             (cut_rows if p.top_k > 0 or p.top_p < 1.0 else full_rows).append(row)
-        temperatures = torch.tensor(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32
-        ).to(device)
+        temperatures = to_device(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device
+        )
         scaled = logits / temperatures.unsqueeze(1)
         for rows, pass_ in ((full_rows, self._sample_full), (cut_rows, self._sample_cut)):
             if rows:
-                index = torch.tensor(rows, dtype=torch.long).to(device)
+                index = to_device(rows, torch.long, device)
                 picked = pass_(scaled.index_select(0, index), [seqs[row] for row in rows])
                 chosen = chosen.index_copy(0, index, picked)
         return chosen
@@ -150,18 +150,20 @@ class Sampler:
         device = scaled.device
         values, indices = torch.topk(scaled, width, dim=-1)  # sorted, best first
         positions = torch.arange(width, device=device).unsqueeze(0)
-        k_tensor = torch.tensor(top_k, dtype=torch.long).to(device).unsqueeze(1)
+        k_tensor = to_device(top_k, torch.long, device).unsqueeze(1)
         values = values.masked_fill(positions >= k_tensor, float("-inf"))
         # Top-k rows renormalise over their k tokens; top-p-only rows over the full vocabulary.
         normaliser = torch.logsumexp(values, dim=-1)
         if not all(p.top_k > 0 for p in params):
-            has_k = torch.tensor([p.top_k > 0 for p in params]).to(device)
+            has_k = to_device([p.top_k > 0 for p in params], torch.bool, device)
             normaliser = torch.where(has_k, normaliser, torch.logsumexp(scaled, dim=-1))
         probs = torch.exp(values - normaliser.unsqueeze(1))
         mass = probs.sum(dim=-1)
-        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params])
+        top_p = to_device(
+            [p.top_p if p.top_p < 1.0 else 2.0 for p in params], torch.float32, device
+        )
         mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p.to(device).unsqueeze(1), 0.0)
+        probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
         probs = _apply_min_p(probs, [p.min_p for p in params], probs[:, 0])
         return probs, indices, mass
 
@@ -226,27 +228,35 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if ids_seen:
         index = (_long(rows_seen, device), _long(ids_seen, device))
         values = logits[index]
-        penalty = torch.tensor(repetition, dtype=logits.dtype).to(device)
+        penalty = to_device(repetition, logits.dtype, device)
         logits[index] = torch.where(values > 0, values / penalty, values * penalty)
     if ids_out:
         index = (_long(rows_out, device), _long(ids_out, device))
-        logits.index_put_(index, torch.tensor(frequency, dtype=logits.dtype).to(device), True)
+        logits.index_put_(index, to_device(frequency, logits.dtype, device), True)
     if presence_pairs:
         rows, ids = zip(*presence_pairs, strict=True)
         index = (_long(list(rows), device), _long(list(ids), device))
-        logits.index_put_(index, torch.tensor(presence, dtype=logits.dtype).to(device), True)
+        logits.index_put_(index, to_device(presence, logits.dtype, device), True)
     return logits
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device)
+    return to_device(values, torch.long, device)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`; on CUDA through pinned memory, asynchronously,
+    so the copy does not wait for the work already queued on the stream."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _apply_min_p(probs: torch.Tensor, min_p: list[float], top_prob: torch.Tensor) -> torch.Tensor:
     """Zero the tokens whose probability is below min_p times the row's top probability."""
     if not any(value > 0 for value in min_p):
         return probs
-    factors = torch.tensor(min_p, dtype=torch.float32).to(probs.device)
+    factors = to_device(min_p, torch.float32, probs.device)
     return probs.masked_fill(probs < (top_prob * factors).unsqueeze(1), 0.0)
 
 

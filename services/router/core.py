@@ -278,7 +278,8 @@ class RouterCore:
         self.streamer.on_detokenized(response)
 
     def _engine_lost(self, engine_id: str) -> None:
-        lost = [r for r in self.running.values() if r.engine_id == engine_id]
+        # Requests the engine already finished only wait for their last text: let them end.
+        lost = [r for r in self.running.values() if r.engine_id == engine_id and not r.engine_done]
         log.warning("engine %s lost with %d requests in flight", engine_id, len(lost))
         for request in lost:
             request.engine_done = True

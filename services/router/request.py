@@ -37,7 +37,7 @@ class IllegalTransitionError(RuntimeError):
     """A bug: the router tried to move a request along an edge the state machine lacks."""
 
 
-@dataclass
+@dataclass(slots=True)
 class OutputPiece:
     """What one engine step (or several merged) produced for this request."""
 

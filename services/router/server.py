@@ -46,20 +46,28 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         client_id = request.request_id or routed.request_id
         status = "CANCELLED"
-        first_token_at: float | None = None
+        last_token_at: float | None = None
         try:
             while True:
                 try:
-                    piece = await routed.next_piece(routed.remaining())
+                    piece = await routed.next_piece(
+                        None if routed.deadline is None else routed.remaining()
+                    )
                 except TimeoutError:
                     status = "DEADLINE_EXCEEDED"
                     raise DeadlineExceededError("the deadline passed while generating") from None
                 if piece is None:
                     status = "OK"
                     return
-                if first_token_at is None and piece.token_ids:
-                    first_token_at = time.monotonic()
-                    metrics.ROUTER_TIME_TO_FIRST_TOKEN.observe(first_token_at - routed.arrival)
+                if piece.token_ids:
+                    now = time.monotonic()
+                    if last_token_at is None:
+                        metrics.ROUTER_TIME_TO_FIRST_TOKEN.observe(now - routed.arrival)
+                    else:
+                        metrics.ROUTER_INTER_TOKEN_LATENCY.observe(
+                            (now - last_token_at) / len(piece.token_ids)
+                        )
+                    last_token_at = now
                 yield response_pb(piece, client_id)
                 if piece.finish_reason:
                     status = "OK"

@@ -14,7 +14,33 @@ import torch
 import triton
 import triton.language as tl
 
+from services.common.errors import InvalidArgumentError
+
 CONFIGS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (64, 128, 4, 4))
+# One-row configurations of the vector kernel: BLOCK_N below 16 (no tensor-core dot) gives
+# narrow matrices (N = 4096) enough programs to keep the memory system busy without split-K.
+VECTOR_CONFIGS = ((4, 1024, 4, 4), (8, 512, 4, 4), (8, 1024, 4, 3), (2, 2048, 4, 3))
+
+
+@triton.jit
+def _skinny_vector_kernel(
+    x_ptr, weight_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    column_mask = columns < n
+    inner = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    weight_rows = weight_ptr + columns.to(tl.int64)[:, None] * k
+    for start in range(0, k, BLOCK_K):
+        inner_mask = start + inner < k
+        x = tl.load(x_ptr + start + inner, mask=inner_mask, other=0.0).to(tl.float32)
+        weight = tl.load(
+            weight_rows + start + inner[None, :],
+            mask=column_mask[:, None] & inner_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(weight.to(tl.float32) * x[None, :], axis=1)
+    tl.store(out_ptr + columns, acc.to(out_ptr.dtype.element_ty), mask=column_mask)
 
 
 @triton.jit
@@ -67,6 +93,14 @@ def skinny_matmul(
     if rows == 0:
         return out
     block_n, block_k, warps, stages = config
+    if block_n < 16:
+        if rows != 1:
+            raise InvalidArgumentError("vector configurations (BLOCK_N < 16) take one row")
+        _skinny_vector_kernel[(triton.cdiv(n, block_n),)](
+            x, weight, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return out
     _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, rows, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
@@ -91,7 +125,7 @@ def pick_fastest(weights: list[torch.Tensor], rows: int) -> tuple[int, int, int,
 
     best_time = timed(lambda weight: torch.nn.functional.linear(x, weight))
     best = None
-    for config in CONFIGS:
+    for config in CONFIGS + (VECTOR_CONFIGS if rows == 1 else ()):
         elapsed = timed(lambda weight, config=config: skinny_matmul(x, weight, config))
         if elapsed < best_time * 0.97:
             best_time, best = elapsed, config

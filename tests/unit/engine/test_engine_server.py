@@ -317,3 +317,26 @@ def test_a_failing_step_fails_live_requests_and_the_loop_keeps_serving() -> None
         assert load.free_blocks == load.total_blocks
     finally:
         loop.stop()
+
+
+def test_idle_loop_sleeps_and_reports_load_at_the_interval() -> None:
+    import queue
+    import time
+
+    from services.engine.engine_loop import EngineLoop, LoopOutput
+
+    engine = LLMEngine(ENGINE_CONFIG)
+    outputs: queue.Queue[LoopOutput] = queue.Queue()
+    loop = EngineLoop(engine, outputs.put, load_report_interval_s=0.25)
+    cpu_before = time.process_time()
+    loop.start()
+    try:
+        time.sleep(1.2)
+    finally:
+        loop.stop()
+    cpu_used = time.process_time() - cpu_before
+    reports = [outputs.get_nowait() for _ in range(outputs.qsize())]
+    assert 3 <= len(reports) <= 6
+    assert all(report.is_load_only for report in reports)
+    assert all(report.load.free_blocks == report.load.total_blocks for report in reports)
+    assert cpu_used < 0.3, f"an idle loop must sleep, used {cpu_used:.2f} s of CPU"

@@ -138,6 +138,12 @@ class SluiceClient:
         finally:
             call.cancel()  # no-op when the stream already ended
 
+    def stream_text(self, prompt: str | None = None, **kwargs: Any) -> Iterator[str]:
+        """Only the text deltas (empty ones skipped)."""
+        for response in self.generate(prompt, **kwargs):
+            if response.text:
+                yield response.text
+
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """The whole answer of one request."""
         completion = Completion()
@@ -191,6 +197,12 @@ class AsyncSluiceClient:
                 yield response
         finally:
             call.cancel()
+
+    async def stream_text(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[str]:
+        """Only the text deltas (empty ones skipped)."""
+        async for response in self.generate(prompt, **kwargs):
+            if response.text:
+                yield response.text
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         completion = Completion()

@@ -151,7 +151,11 @@ def spawn_service(
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in
         # order (router first, so it can drain).
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        # Linux ties the death signal to the spawning *thread*: only arm it from the main
+        # thread, or children would die when a worker thread that started them exits.
+        preexec_fn=_die_with_parent
+        if threading.current_thread() is threading.main_thread()
+        else None,
     )
     return ChildProcess(name, f"{host}:{port}", process, log_path, log_file)
 

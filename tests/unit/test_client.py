@@ -124,6 +124,7 @@ def test_sync_client_streams_lists_and_sends_the_key() -> None:
     with fake_router() as (address, servicer), SluiceClient(address, api_key="k1") as client:
         pieces = [r.text for r in client.generate("one two three", max_tokens=3)]
         assert pieces == ["one", " two", " three"]
+        assert list(client.stream_text("a b")) == ["a", " b"]
         completion = client.complete(chat=[("user", "hello world")], request_id="abc")
         assert completion.text == "hello world"
         assert completion.finish_reason == "length"
@@ -156,6 +157,7 @@ def test_async_client_streams_errors_and_lists() -> None:
         async with AsyncSluiceClient(address) as client:
             pieces = [r.text async for r in client.generate(token_ids=[4, 5, 6])]
             assert pieces == ["4", " 5", " 6"]
+            assert [text async for text in client.stream_text("x y")] == ["x", " y"]
             completion = await client.complete("a b")
             assert completion.text == "a b" and completion.finish_reason == "length"
             assert [m.context_length for m in await client.list_models()] == [128]

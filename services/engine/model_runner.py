@@ -160,6 +160,9 @@ class ModelRunner:
             is_pure_decode=all(len(seq.token_ids) == 1 for seq in batch.sequences),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             block_size=block_size,
+            query_start_loc_host=query_start_loc,
+            seq_lens_host=seq_lens,
+            context_lens_host=context_lens,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)

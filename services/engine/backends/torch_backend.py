@@ -35,6 +35,8 @@ class _StepPlan:
     num_decodes: int
     decode_slots: torch.Tensor | None  # [B_decode, max_len] int64
     decode_mask: torch.Tensor | None  # [B_decode, 1, 1, max_len] bool; None when all equal
+    prefills: list[_PrefillChunk]
+    additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask_for(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The decode mask as 0/-inf in `dtype` (SDPA on CPU is faster with additive masks)."""
@@ -46,9 +48,6 @@ class _StepPlan:
             )
             self.additive_masks[dtype] = additive.masked_fill(~self.decode_mask, float("-inf"))
         return self.additive_masks[dtype]
-
-    prefills: list[_PrefillChunk]
-    additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
 
 @register_backend("torch")
@@ -140,9 +139,9 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _plan(metadata: AttentionMetadata) -> _StepPlan:
-    starts = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
-    context_lens = metadata.context_lens.tolist()
+    starts = metadata.query_start_loc_host or metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens_host or metadata.seq_lens.tolist()
+    context_lens = metadata.context_lens_host or metadata.context_lens.tolist()
     query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:

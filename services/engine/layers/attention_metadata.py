@@ -27,6 +27,10 @@ class AttentionMetadata:
     is_pure_decode: bool  # every sequence computes exactly one token
     logits_indices: torch.Tensor  # [num_logits] int64: rows of the flat hidden states to project
     block_size: int = 16  # tokens per KV block (slot = block_id * block_size + offset)
+    # The same lengths as Python lists, so host-side planning never waits on the device.
+    query_start_loc_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+    context_lens_host: list[int] = field(default_factory=list)
     # Per-step scratch of the attention backend: its prepare() fills it once per step (gather
     # indices, masks, host-side lengths) and every layer reads it.
     backend_state: dict[str, Any] = field(default_factory=dict)

@@ -97,9 +97,23 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--max-num-seqs", type=int, help="engines: most sequences per step")
     up.add_argument("--device", help="engines: cpu, cuda, cuda:N or auto")
     up.add_argument("--backend", help="engines: forward backend (torch, ...)")
-    up.add_argument("--engine-args", default="", help="more engine flags, as one quoted string")
-    up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait")
-    up.add_argument("--stop-grace", type=float, default=30.0, help="seconds before SIGKILL")
+    up.add_argument(
+        "--engine-args",
+        default="",
+        help='more engine flags as one string, e.g. --engine-args="--max-model-len 4096"',
+    )
+    up.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every service to report SERVING (default: %(default)s)",
+    )
+    up.add_argument(
+        "--stop-grace",
+        type=float,
+        default=30.0,
+        help="seconds a stopping service gets before SIGKILL (default: %(default)s)",
+    )
 
 
 def _flag_pairs(namespace: argparse.Namespace, names: Sequence[str]) -> list[str]:

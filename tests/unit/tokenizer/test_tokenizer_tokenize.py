@@ -59,3 +59,39 @@ def test_info_facts(smollm) -> None:
     assert smollm.vocab_size == len(smollm.hf_tokenizer)
     assert smollm.hf_tokenizer.eos_token_id in smollm.eos_token_ids
     assert smollm.chat_template is not None
+
+
+def _model_dir_with_template(smollm, tmp_path, template: str | None):
+    import json
+    import shutil
+
+    from services.common.model_files import resolve_model
+    from services.tokenizer.tokenize import TokenizerModel
+
+    source = resolve_model(None).tokenizer_dir
+    for name in ("tokenizer.json", "config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if template is not None:
+        config["chat_template"] = template
+        (tmp_path / "chat_template.jinja").write_text(template)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return TokenizerModel.load(str(tmp_path))
+
+
+def test_a_model_shipping_a_malicious_template_cannot_run_it(smollm, tmp_path) -> None:
+    evil = "{{ cycler.__init__.__globals__.os.system('touch " + str(tmp_path / "pwned") + "') }}"
+    model = _model_dir_with_template(smollm, tmp_path, evil)
+    with pytest.raises(InvalidArgumentError, match="unsafe|sandbox"):
+        model.encode_item(EncodeItem(chat=CHAT))
+    assert not (tmp_path / "pwned").exists()
+    assert model.encode_item(EncodeItem(text="text still works"))
+
+
+def test_a_model_without_template_refuses_chat(smollm, tmp_path) -> None:
+    model = _model_dir_with_template(smollm, tmp_path, None)
+    assert model.chat_template is None
+    with pytest.raises(InvalidArgumentError, match="no chat template"):
+        model.encode_item(EncodeItem(chat=CHAT))

@@ -340,3 +340,18 @@ def test_idle_loop_sleeps_and_reports_load_at_the_interval() -> None:
     assert all(report.is_load_only for report in reports)
     assert all(report.load.free_blocks == report.load.total_blocks for report in reports)
     assert cpu_used < 0.3, f"an idle loop must sleep, used {cpu_used:.2f} s of CPU"
+
+
+def test_standalone_worker_imports_neither_ray_nor_redis() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import services.engine.server, services.engine.llm_engine, services.engine.model_runner\n"
+        "print(sorted(m for m in ('ray', 'redis') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "[]"

@@ -49,6 +49,12 @@ class TokenizerModel:
         self.name = name
         self.hf_tokenizer = hf_tokenizer
         self.backend = hf_tokenizer.backend_tokenizer
+        # Never truncate or pad silently (a tokenizer.json may enable either); configured once
+        # here, so the encoding threads only ever read the backend.
+        if self.backend.truncation is not None:
+            self.backend.no_truncation()
+        if self.backend.padding is not None:
+            self.backend.no_padding()
         self.vocab_size = len(hf_tokenizer)
         self.max_text_chars = max_text_chars
         eos = list(eos_token_ids)

@@ -95,3 +95,20 @@ def test_a_model_without_template_refuses_chat(smollm, tmp_path) -> None:
     assert model.chat_template is None
     with pytest.raises(InvalidArgumentError, match="no chat template"):
         model.encode_item(EncodeItem(chat=CHAT))
+
+
+def test_truncation_in_tokenizer_json_is_switched_off(byte_fallback) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from services.tokenizer.tokenize import TokenizerModel
+
+    byte_fallback.enable_truncation(max_length=3)
+    try:
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=byte_fallback)
+        model = TokenizerModel(wrapped, name="truncating")
+        ids = model.encode_item(EncodeItem(text="the world in the world"))
+        assert len(ids) > 3
+        with pytest.raises(InvalidArgumentError, match=f"prompt is {len(ids)} tokens"):
+            model.encode_item(EncodeItem(text="the world in the world", max_tokens=3))
+    finally:
+        byte_fallback.no_truncation()

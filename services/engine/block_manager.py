@@ -85,7 +85,6 @@ class BlockManager:
         if seq.block_table:
             raise FailedPreconditionError("match_prefix on a sequence that already has blocks")
         tokens = seq.token_ids
-        self.prefix_cache_queries += len(seq.prompt_token_ids)
         if not self.enable_prefix_caching:
             return 0
         max_blocks = (len(tokens) - 1) // self.block_size
@@ -106,9 +105,12 @@ class BlockManager:
             parent = block_hash
         seq.num_hashed_blocks = len(seq.block_table)
         seq.last_block_hash = parent
-        num_cached = len(seq.block_table) * self.block_size
-        self.prefix_cache_hits += min(num_cached, len(seq.prompt_token_ids))
-        return num_cached
+        return len(seq.block_table) * self.block_size
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count one admitted request's prompt tokens looked up and found in the cache."""
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Register `seq`'s newly full and computed blocks in the prefix cache."""

@@ -166,6 +166,8 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             heapq.heappop(self.waiting)
+            if seq.num_preemptions == 0:
+                manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= num_tokens

@@ -74,11 +74,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        """True while more than the last sampled token remains to be computed."""
-        return self.num_uncomputed_tokens > 1 or self.num_computed_tokens == 0
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -19,7 +19,10 @@ from services.common.errors import InvalidArgumentError
 CONFIGS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (64, 128, 4, 4))
 # One-row configurations of the vector kernel: BLOCK_N below 16 (no tensor-core dot) gives
 # narrow matrices (N = 4096) enough programs to keep the memory system busy without split-K.
-VECTOR_CONFIGS = ((4, 1024, 4, 4), (8, 512, 4, 4), (8, 1024, 4, 3), (2, 2048, 4, 3))
+VECTOR_CONFIGS = (
+    (4, 1024, 4, 4), (8, 512, 4, 4), (8, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4),
+    (2, 1024, 2, 4), (8, 256, 2, 6), (4, 1024, 8, 3), (8, 512, 8, 4),
+)  # fmt: skip
 
 
 @triton.jit

@@ -22,6 +22,8 @@ from services.common.errors import InvalidArgumentError
 T = TypeVar("T")
 
 _TRUE = {"1", "true", "yes", "on"}
+# Fields whose name has one of these words (split on "_") are masked in `describe`.
+_SECRET_WORDS = frozenset({"password", "secret", "key", "keys", "token", "pepper", "credentials"})
 _FALSE = {"0", "false", "no", "off"}
 
 
@@ -45,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         text = f.metadata.get("help", "")
         text = f"{text} (env SLUICE_{f.name.upper()}; default: {default!r})"
         if base is bool:
-            parser.add_argument(flag, dest=f.name, default=None,
-                                action=argparse.BooleanOptionalAction, help=text)
+            parser.add_argument(
+                flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=text
+            )
         else:
             parser.add_argument(flag, dest=f.name, default=None, help=text, metavar=f.name.upper())
 
@@ -75,7 +78,7 @@ def describe(config: Any) -> str:
     lines = [f"{type(config).__name__}:"]
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if any(word in f.name for word in ("password", "secret", "token", "key")) and value:
+        if _SECRET_WORDS.intersection(f.name.lower().split("_")) and value:
             value = "***"
         lines.append(f"  {f.name} = {value!r}")
     return "\n".join(lines)

@@ -52,6 +52,7 @@ class ModelRunner:
         self.block_size = block_size
         self.model_config = _load_config(model_files, max_model_len)
         config = self.model_config
+        backend_cls = get_backend(backend)  # fail fast, before loading any weights
         torch.manual_seed(seed)
         self.model = build_model(
             config,
@@ -60,7 +61,6 @@ class ModelRunner:
             dtype=self.dtype,
             seed=seed,
         )
-        backend_cls = get_backend(backend)
         self.backend_name = backend
         self.backend = backend_cls(
             config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5

@@ -126,3 +126,17 @@ def test_max_model_len_caps_context() -> None:
     runner = ModelRunner(resolve_model("dummy:tiny"), kv_cache_bytes=1 << 20, max_model_len=64)
     assert runner.model_config.max_model_len == 64
     assert runner.dtype == torch.float32 and runner.device.type == "cpu"
+
+
+def test_bfloat16_on_cpu_gives_finite_float32_logits() -> None:
+    runner = ModelRunner(resolve_model("dummy:tiny"), dtype=torch.bfloat16, kv_cache_bytes=1 << 20)
+    assert runner.kv_cache.layers[0][0].dtype == torch.bfloat16
+    allocator = BlockAllocator(runner.num_blocks, BLOCK_SIZE)
+    runner.execute(step(allocator, [(0, [1, 2, 3, 4, 5], 0, True), (1, [7, 8], 0, True)]))
+    logits = runner.execute(step(allocator, [(0, [9], 5, True), (1, [9], 2, True)]))
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_unknown_backend_is_invalid() -> None:
+    with pytest.raises(InvalidArgumentError, match="backend"):
+        ModelRunner(resolve_model("dummy:tiny"), kv_cache_bytes=1 << 20, backend="nope")

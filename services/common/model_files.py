@@ -32,6 +32,7 @@ from services.common.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    SluiceError,
 )
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,17 @@ def _converted_gguf(gguf_path: Path, *, name: str) -> Path:
     key = hashlib.sha256(key_source.encode()).hexdigest()[:12]
     slug = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)
     target = Path(env.cache_dir()) / "models" / f"{slug}-{key}"
-    return ensure_converted(target, lambda out: _convert_gguf(gguf_path, out))
+    try:
+        return ensure_converted(target, lambda out: _convert_gguf(gguf_path, out))
+    except OSError as exc:
+        raise FailedPreconditionError(
+            f"cannot write the model cache under {target.parent}: {exc}; "
+            "set SLUICE_CACHE_DIR to a writable directory"
+        ) from exc
+    except SluiceError:
+        raise
+    except Exception as exc:  # transformers/gguf raise many types for a bad file
+        raise FailedPreconditionError(f"cannot convert {gguf_path.name}: {exc}") from exc
 
 
 def ensure_converted(target: Path, build: Callable[[Path], None]) -> Path:

@@ -136,3 +136,22 @@ def test_concurrent_processes_convert_once(tmp_path: Path) -> None:
         assert worker.exitcode == 0
     assert counter.read_text().count("built") == 1
     assert (target / "weights.bin").read_bytes() == b"ok"
+
+
+def test_unwritable_cache_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(blocker))
+    with pytest.raises(FailedPreconditionError, match="SLUICE_CACHE_DIR"):
+        resolve_model(None)
+
+
+def test_unconvertible_gguf_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file at all")
+    with pytest.raises(FailedPreconditionError, match="cannot convert"):
+        resolve_model(str(broken))
+    assert not any(p.name.startswith("broken") for p in (tmp_path / "cache" / "models").iterdir())

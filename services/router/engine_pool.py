@@ -206,6 +206,7 @@ class EnginePool:
                 if connection.ready:
                     connection.capacity.ready = False
                     self._on_lost(address)
+                    self._on_ready()
                 await connection.close()
         for address in wanted:
             if address not in self.connections:

@@ -249,6 +249,35 @@ def test_engine_gone_fails_in_flight_with_unavailable() -> None:
     run_stack(check, engine=FakeEngine(step_s=0.02))
 
 
+def test_router_reconnects_when_the_engine_comes_back() -> None:
+    async def check(stack: Stack) -> None:
+        port = int(stack.core.config.engines[0].rpartition(":")[2])
+        await stack.engine_server.stop(None)
+        for _ in range(200):
+            if not stack.core.serving:
+                break
+            await asyncio.sleep(0.01)
+        assert not stack.core.serving
+        server = grpc.aio.server()
+        engine_pb2_grpc.add_EngineServicer_to_server(FakeEngine(), server)
+        assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+        await server.start()
+        try:
+            for _ in range(300):
+                if stack.core.serving:
+                    break
+                await asyncio.sleep(0.01)
+            assert stack.core.serving
+            responses = await stack.collect(text_request(max_tokens=3))
+            assert "".join(r.text for r in responses) == generated_text(3)
+            health = await stack.health.Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop(None)
+
+    run_stack(check, reconnect_min_backoff=0.05, reconnect_max_backoff=0.2)
+
+
 def test_api_keys(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("secret-1\n")

@@ -1,7 +1,8 @@
 """The router's side of the tokenizer: Tokenize calls and one multiplexed DetokenizeSession.
 
-`Tokenize` is a plain unary call per request (not on the per-token path). Detokenization is the
-per-token path, so it is batched: the router sends ONE `DetokenizeRequest` per engine step with
+`Tokenize` calls are micro-batched: prompts that arrive in the same event-loop turn share one
+call (a burst of arrivals costs one round trip, not one each). Detokenization is the
+per-token path, so it is batched too: the router sends ONE `DetokenizeRequest` per engine step with
 every request's new token ids and gets one `DetokenizeResponse` back, paired by
 `sequence_number`. A writer task drains an outbox so a step never waits for the network.
 When the session drops, `on_lost` is told (the router fails the requests whose text state lived
@@ -29,6 +30,8 @@ from services.common.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+MAX_TOKENIZE_BATCH = 256  # items per Tokenize call (the tokenizer's own cap is larger)
 
 _ERRORS_BY_CODE: dict[str, type[SluiceError]] = {
     "INVALID_ARGUMENT": InvalidArgumentError,
@@ -76,6 +79,8 @@ class TokenizerClient:
         self._outbox_ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._sequence_number = 0
+        self._tokenize_pending: list[tuple[tokenizer_pb2.TokenizeItem, asyncio.Future]] = []
+        self._tokenize_tasks: set[asyncio.Task] = set()
         self.ready = False
         self.ready_changed: Callable[[], None] | None = None
         self.info: tokenizer_pb2.TokenizerInfo | None = None
@@ -93,25 +98,54 @@ class TokenizerClient:
     async def tokenize(
         self, item: tokenizer_pb2.TokenizeItem, timeout_s: float | None = None
     ) -> list[int]:
-        """Encode one prompt; errors come back as SluiceError (the tokenizer's own code)."""
+        """Encode one prompt; errors come back as SluiceError (the tokenizer's own code).
+
+        Prompts arriving in the same event-loop turn share one Tokenize call (a burst of
+        requests costs one round trip, not one each).
+        """
         timeout = self._tokenize_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._tokenize_pending.append((item, future))
+        if len(self._tokenize_pending) == 1:
+            loop.call_soon(self._flush_tokenize)
         try:
-            response = await self._stub.Tokenize(
-                tokenizer_pb2.TokenizeRequest(items=[item]), timeout=max(timeout, 0.001)
-            )
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgumentError(exc.details() or "invalid prompt") from exc
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise DeadlineExceededError("tokenizing the prompt took too long") from exc
-            raise UnavailableError(f"tokenizer unavailable: {code.name}") from exc
-        if len(response.results) != 1:
-            raise UnavailableError("tokenizer answered with the wrong number of results")
-        result = response.results[0]
+            result = await asyncio.wait_for(asyncio.shield(future), max(timeout, 0.001))
+        except TimeoutError:
+            raise DeadlineExceededError("tokenizing the prompt took too long") from None
         if result.HasField("error") and result.error.code:
             raise error_from_item(result.error.code, result.error.message)
         return list(result.token_ids)
+
+    def _flush_tokenize(self) -> None:
+        batch, self._tokenize_pending = self._tokenize_pending, []
+        for start in range(0, len(batch), MAX_TOKENIZE_BATCH):
+            task = asyncio.get_running_loop().create_task(
+                self._tokenize_batch(batch[start : start + MAX_TOKENIZE_BATCH])
+            )
+            self._tokenize_tasks.add(task)
+            task.add_done_callback(self._tokenize_tasks.discard)
+
+    async def _tokenize_batch(self, batch: list[tuple]) -> None:
+        try:
+            response = await self._stub.Tokenize(
+                tokenizer_pb2.TokenizeRequest(items=[item for item, _ in batch]),
+                timeout=self._tokenize_timeout_s,
+            )
+            if len(response.results) != len(batch):
+                raise UnavailableError("tokenizer answered with the wrong number of results")
+            for (_, future), result in zip(batch, response.results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
+                # One bad item must not fail the others: ask again one by one.
+                for single in batch:
+                    await self._tokenize_batch([single])
+                return
+            _fail_all(batch, _error_from_status(exc))
+        except SluiceError as error:
+            _fail_all(batch, error)
 
     def next_sequence_number(self) -> int:
         self._sequence_number += 1
@@ -170,6 +204,21 @@ class TokenizerClient:
         self.ready = ready
         if self.ready_changed is not None:
             self.ready_changed()
+
+
+def _fail_all(batch: list[tuple], error: SluiceError) -> None:
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(error)
+
+
+def _error_from_status(exc: grpc.aio.AioRpcError) -> SluiceError:
+    code = exc.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgumentError(exc.details() or "invalid prompt")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError("tokenizing the prompt took too long")
+    return UnavailableError(f"tokenizer unavailable: {code.name}")
 
 
 def _describe(exc: BaseException) -> str:

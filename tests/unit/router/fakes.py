@@ -115,11 +115,15 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self) -> None:
         self.cancelled: list[str] = []
         self.state: dict[str, dict] = {}
+        self.tokenize_batches: list[int] = []  # items per Tokenize call
 
     async def Info(self, request, context):  # noqa: N802
         return tokenizer_pb2.TokenizerInfo(model="fake", vocab_size=VOCAB_SIZE)
 
     async def Tokenize(self, request, context):  # noqa: N802
+        self.tokenize_batches.append(len(request.items))
+        if any(item.text == "REJECT-BATCH" for item in request.items):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "batch rejected")
         response = tokenizer_pb2.TokenizeResponse()
         for item in request.items:
             if item.WhichOneof("input") == "chat":

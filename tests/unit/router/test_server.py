@@ -16,8 +16,10 @@ from protos.sluice.v1 import (
     engine_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
+    tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.common.errors import InvalidArgumentError
 from services.router.config import RouterConfig
 from services.router.server import shutdown, start
 from tests.unit.router.fakes import FakeEngine, FakeTokenizer, generated_text, start_fake
@@ -276,6 +278,25 @@ def test_router_reconnects_when_the_engine_comes_back() -> None:
             await server.stop(None)
 
     run_stack(check, reconnect_min_backoff=0.05, reconnect_max_backoff=0.2)
+
+
+def test_prompts_of_one_loop_turn_share_one_tokenize_call() -> None:
+    async def check(stack: Stack) -> None:
+        client = stack.core.tokenizer
+        items = [tokenizer_pb2.TokenizeItem(text=f"p{i}") for i in range(6)]
+        results = await asyncio.gather(*(client.tokenize(item) for item in items))
+        assert results == [[ord("p"), ord(str(i))] for i in range(6)]
+        assert stack.tokenizer.tokenize_batches == [6]
+        # A batch the tokenizer rejects as a whole is retried item by item.
+        items.append(tokenizer_pb2.TokenizeItem(text="REJECT-BATCH"))
+        results = await asyncio.gather(
+            *(client.tokenize(item) for item in items), return_exceptions=True
+        )
+        assert results[:6] == [[ord("p"), ord(str(i))] for i in range(6)]
+        assert isinstance(results[6], InvalidArgumentError)
+        assert stack.tokenizer.tokenize_batches[1:] == [7] + [1] * 7
+
+    run_stack(check)
 
 
 def test_api_keys(tmp_path: Path) -> None:

@@ -158,7 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     log.info("%s", describe(config))
-    return asyncio.run(serve(config))
+    try:
+        return asyncio.run(serve(config))
+    except (OSError, SluiceError) as error:
+        print(f"error: cannot run the router: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ class OutputStreamer:
         self._running = running
         self._tokenizer = tokenizer
         self._releaser = releaser
-        # sequence number -> [(request, token ids, logprobs, finish reason, usage)]
+        # sequence number -> [(request, its SequenceUpdate of that step)]
         self._pending: dict[int, list[tuple]] = {}
 
     def on_step(self, engine_id: str, step: engine_pb2.EngineStep) -> None:
@@ -74,7 +74,7 @@ class OutputStreamer:
             if finish_reason:
                 request.engine_done = True
                 self._releaser.engine_finished(request)
-            record.append((request, update.token_ids, update.logprobs, finish_reason, update.usage))
+            record.append((request, update))
         if record:
             message.sequence_number = self._tokenizer.next_sequence_number()
             self._pending[message.sequence_number] = record
@@ -86,13 +86,16 @@ class OutputStreamer:
         if record is None:
             return
         deltas = {delta.request_id: delta for delta in response.deltas}
-        for request, token_ids, logprobs, finish_reason, usage in record:
+        for request, update in record:
             if request.finished:
                 continue
             delta = deltas.get(request.request_id)
+            finish_reason = update.finish_reason
             if finish_reason:
                 request.detokenizer_open = False  # told `finished`: it freed the state
-            piece = OutputPiece(token_ids=list(token_ids), logprobs=list(logprobs))
+            piece = OutputPiece(token_ids=list(update.token_ids))
+            if request.params.logprobs is not None:
+                piece.logprobs = list(update.logprobs)
             if delta is not None:
                 if delta.HasField("error") and delta.error.code:
                     if delta.closed:
@@ -108,8 +111,9 @@ class OutputStreamer:
                     piece.matched_stop = delta.matched_stop
             if finish_reason:
                 piece.finish_reason = finish_reason
+                usage = update.usage
                 piece.prompt_tokens = usage.prompt_tokens or request.num_prompt_tokens
-                piece.completion_tokens = request.completion_tokens + len(token_ids)
+                piece.completion_tokens = request.completion_tokens + len(piece.token_ids)
                 piece.cached_prompt_tokens = usage.cached_prompt_tokens
                 request.push(piece)
                 # Stop string: the engine may still be generating; free everything now.

@@ -69,6 +69,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                         submit.params.max_tokens,
                         len(submit.prompt_token_ids),
                         session,
+                        submit.params.HasField("logprobs"),
                     ]
                 for request_id in message.aborts:
                     self.aborted.append(request_id)
@@ -94,6 +95,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                     token = ord("a") + state[0] % 26
                     state[0] += 1
                     update = step.updates.add(request_id=request_id, token_ids=[token])
+                    if state[4]:
+                        update.logprobs.add(token_id=token, logprob=-0.5)
                     if state[0] >= state[1]:
                         update.finish_reason = common_pb2.FINISH_REASON_LENGTH
                         update.usage.prompt_tokens = state[2]

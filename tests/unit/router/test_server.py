@@ -124,6 +124,18 @@ def test_chat_and_token_id_inputs_and_list_models() -> None:
     run_stack(check)
 
 
+def test_logprobs_only_when_asked() -> None:
+    async def check(stack: Stack) -> None:
+        asked = await stack.collect(text_request(max_tokens=4, logprobs=1))
+        logprobs = [lp for r in asked for lp in r.logprobs]
+        assert [lp.token_id for lp in logprobs] == [t for r in asked for t in r.token_ids]
+        assert all(lp.logprob == -0.5 for lp in logprobs) and len(logprobs) == 4
+        plain = await stack.collect(text_request(max_tokens=4))
+        assert all(not r.logprobs for r in plain)
+
+    run_stack(check)
+
+
 def test_stop_string_ends_stream_and_aborts_engine() -> None:
     async def check(stack: Stack) -> None:
         responses = await stack.collect(text_request(max_tokens=50, stop=["def"]))

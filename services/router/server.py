@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -99,9 +100,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return response
 
 
-async def start(config: RouterConfig) -> tuple[RouterCore, RunningServer]:
-    """Start the core and the gRPC server (health follows the core's readiness)."""
-    core = RouterCore(config)
+async def start(config: RouterConfig, **core_options: Any) -> tuple[RouterCore, RunningServer]:
+    """Start the core and the gRPC server (health follows the core's readiness).
+
+    `core_options` go to `RouterCore` (discovery=, policy=, authenticator=), so a Redis
+    registry, another dispatch policy or shared API keys plug in without touching the servicer.
+    """
+    core = RouterCore(config, **core_options)
     servicer = RouterServicer(core)
     server = await start_server(
         config.address,

@@ -220,6 +220,21 @@ def test_deadline_while_queued_never_reaches_engine() -> None:
     run_stack(check, engine=slow, max_inflight_per_engine=1)
 
 
+def test_deadline_while_running_aborts_on_engine() -> None:
+    async def check(stack: Stack) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stack.collect(text_request(max_tokens=100), timeout=0.15)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(100):
+            if not stack.engine.live and not stack.core.active:
+                break
+            await asyncio.sleep(0.01)
+        assert stack.engine.live == {} and len(stack.engine.aborted) == 1
+        assert stack.core.active == set() and stack.tokenizer.state == {}
+
+    run_stack(check, engine=FakeEngine(step_s=0.01))
+
+
 def test_client_cancel_aborts_on_engine_and_frees_detokenizer() -> None:
     slow = FakeEngine(step_s=0.01)
 

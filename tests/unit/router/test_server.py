@@ -194,7 +194,7 @@ def test_queue_overflow_rejects_fast_with_retry_after() -> None:
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         trailers = dict(info.value.trailing_metadata() or ())
         assert float(trailers["retry-after"]) >= 0.25
-        assert elapsed < 0.05
+        assert elapsed < 0.2  # in-process; the 50 ms bound is checked across processes
         assert (await first)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert (await second)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 

@@ -19,6 +19,7 @@ from protos.sluice.v1 import router_pb2, tokenizer_pb2
 from services.common import metrics
 from services.common.errors import (
     DeadlineExceededError,
+    InvalidArgumentError,
     NotFoundError,
     SluiceError,
     UnavailableError,
@@ -38,6 +39,7 @@ from services.router.tokenizer_client import TokenizerClient
 log = logging.getLogger(__name__)
 
 EXPIRY_SWEEP_INTERVAL_S = 0.005
+MAX_REQUEST_ID_CHARS = 256  # echoed in every response, so kept short
 
 
 class RouterCore:
@@ -144,8 +146,12 @@ class RouterCore:
             if message.HasField("params")
             else SamplingParams()
         )
+        if len(message.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgumentError(
+                f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters"
+            )
         if message.adapter and message.adapter not in self.known_adapters():
-            raise NotFoundError(f"unknown adapter {message.adapter!r}")
+            raise NotFoundError(f"unknown adapter {message.adapter[:MAX_REQUEST_ID_CHARS]!r}")
         self.queue.check_room(0)  # reject at once, before the tokenizer round trip
         deadline = None if time_remaining is None else arrival + time_remaining
         engines = self.pool.capacities()

@@ -164,6 +164,10 @@ def test_stop_string_ends_stream_and_aborts_engine() -> None:
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         (router_pb2.GenerateRequest(prompt="a", adapter="nope"), grpc.StatusCode.NOT_FOUND),
+        (
+            router_pb2.GenerateRequest(prompt="a", request_id="x" * 300),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
     ],
 )
 def test_bad_requests_get_clear_status_and_stack_keeps_serving(request_message, code) -> None:

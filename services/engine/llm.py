@@ -25,7 +25,10 @@ class LLM:
     """A model loaded in this process, for offline generation."""
 
     def __init__(self, model: str | None = None, backend: str = "torch", **config_fields: Any):
-        self.config = EngineConfig(model=model, backend=backend, **config_fields)
+        try:
+            self.config = EngineConfig(model=model, backend=backend, **config_fields)
+        except TypeError as exc:  # an unknown keyword
+            raise InvalidArgumentError(f"LLM: {exc}") from exc
         self.engine = LLMEngine(self.config)
         self._tokenizer: Any = None
         self._request_ids = itertools.count()

@@ -200,20 +200,20 @@ class LLMEngine:
         num_tokens = plan.batch.num_tokens
         try:
             logits = self.runner.execute(plan.batch)
-        except Exception as exc:  # a failed forward fails its requests, never the engine
+            to_sample: list[Sequence] = []
+            for seq, count in plan.scheduled:
+                seq.num_computed_tokens += count
+                self.block_manager.register_computed_blocks(seq)
+                if seq.num_computed_tokens == seq.num_tokens:
+                    to_sample.append(seq)
+            sampled = self.sampler.sample(logits, to_sample) if to_sample else None
+        except Exception as exc:  # a failed step fails its requests, never the engine
             logger.exception("forward step failed")
             for seq, _ in plan.scheduled:
                 deltas.append(self._fail(seq, f"the engine failed this request: {exc}"))
             return StepOutput(deltas, self.load(), time.perf_counter() - started, num_tokens)
 
-        to_sample: list[Sequence] = []
-        for seq, count in plan.scheduled:
-            seq.num_computed_tokens += count
-            self.block_manager.register_computed_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                to_sample.append(seq)
-        if to_sample:
-            sampled = self.sampler.sample(logits, to_sample)
+        if sampled is not None:
             for seq, token, logprob in zip(
                 to_sample, sampled.token_ids, sampled.logprobs, strict=True
             ):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.errors import SluiceError
 from services.engine.outputs import TokenLogprob
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
@@ -44,7 +45,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """`logits` is float32 [len(seqs), vocab]; row i belongs to seqs[i]."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(seqs)} sequences")
+            raise SluiceError(f"logits of shape {tuple(logits.shape)} for {len(seqs)} sequences")
         params = [seq.params for seq in seqs]
         device = logits.device
         raw_logprobs = None

@@ -153,3 +153,22 @@ def test_random_aborts_return_every_block(llm, tokenizer):
             live.discard(victim)
     assert engine.block_manager.num_free_blocks == initial
     assert engine.load().running == 0 and engine.load().waiting == 0
+
+
+def test_string_prompts_logprobs_and_seeded_sampling(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=4, logprobs=2)
+    (answer,) = llm.generate("The capital of France is", greedy)
+    assert "Paris" in answer.text
+    assert answer.finish_reason is not None
+    assert len(answer.logprobs) == len(answer.token_ids)
+    for entry in answer.logprobs:
+        assert entry.top[0][0] == entry.token_id  # greedy takes the most likely token
+        assert entry.logprob <= 0.0
+
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=7, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], seeded)[0].token_ids
+    crowd = llm.generate(
+        [PROMPTS[3], PROMPTS[1], PROMPTS[5]],
+        [SamplingParams(temperature=1.0, max_tokens=8), seeded, SamplingParams(max_tokens=3)],
+    )
+    assert crowd[1].token_ids == alone

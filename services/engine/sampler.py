@@ -24,8 +24,9 @@ from services.engine.outputs import TokenLogprob
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 
-# Candidates examined for a top-p-only row on CPU before falling back to the whole vocabulary.
-TOP_P_CANDIDATES = 512
+# Candidates tried in turn for top-p-only rows on CPU before the whole vocabulary (a full sort
+# of a large vocabulary costs far more there than a top-k of a few hundred).
+TOP_P_CANDIDATES = (512, 4096)
 
 
 @dataclass
@@ -124,7 +125,7 @@ class Sampler:
         """Rows with top-k and/or top-p: work on each row's best candidates, sorted.
 
         A row with top-k looks at its k best tokens; a row with only top-p at the
-        TOP_P_CANDIDATES best on CPU (falling back to the whole vocabulary when a row's
+        TOP_P_CANDIDATES best on CPU (widening, up to the whole vocabulary, while a row's
         candidates hold less than p of the mass), the whole vocabulary on other devices (no
         host sync).
         """
@@ -132,13 +133,16 @@ class Sampler:
         params = [seq.params for seq in seqs]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         p_only = [p.top_k == 0 for p in params]
-        guess = min(vocab, TOP_P_CANDIDATES) if scaled.device.type == "cpu" else vocab
-        width = max(guess if only_p else k for k, only_p in zip(top_k, p_only, strict=True))
-        probs, indices, mass = self._candidates(scaled, params, top_k, width)
-        if guess < vocab and any(p_only):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-            if bool(((mass < top_p) & torch.tensor(p_only)).any()):  # CPU: no device sync
-                probs, indices, _ = self._candidates(scaled, params, top_k, vocab)
+        on_cpu = scaled.device.type == "cpu"
+        guesses = [width for width in TOP_P_CANDIDATES if width < vocab] if on_cpu else []
+        guesses.append(vocab)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        only_p_rows = torch.tensor(p_only)
+        for guess in guesses if any(p_only) else [vocab]:
+            width = max(guess if only_p else k for k, only_p in zip(top_k, p_only, strict=True))
+            probs, indices, mass = self._candidates(scaled, params, top_k, width)
+            if guess == vocab or not bool(((mass < top_p) & only_p_rows).any()):
+                break  # every top-p row's cut lies within its candidates (CPU: no device sync)
         best = self._draw(probs, seqs)
         return indices.gather(1, best.unsqueeze(1)).squeeze(1)
 

@@ -69,3 +69,14 @@ def test_response_sets_usage_only_on_the_last_piece() -> None:
     )
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (4, 2)
     assert last.matched_stop == "b" and last.request_id == "id"
+
+
+def test_router_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, services.router.server, services.router.core; "
+        "sys.exit(int(any(m in sys.modules for m in ('torch', 'transformers'))))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

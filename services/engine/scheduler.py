@@ -131,7 +131,11 @@ class Scheduler:
         if not output.preempted:
             self._admit(budget, prefills)
 
-        for seq, num_tokens in decodes + prefills:
+        # One-token steps of sequences with cached tokens (decodes, and prompts whose prefix
+        # came from the cache or a previous chunk) go first: the runner relies on that order.
+        planned = decodes + prefills
+        planned.sort(key=lambda item: not (item[1] == 1 and item[0].num_computed_tokens > 0))
+        for seq, num_tokens in planned:
             start = seq.num_computed_tokens
             output.batch.sequences.append(
                 ScheduledSequence(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.common.errors import (
     AlreadyExistsError,
@@ -266,3 +268,61 @@ def test_failed_forward_fails_its_requests_only():
     assert engine.block_manager.num_free_blocks == runner.num_blocks
     engine.add_request("b", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
     assert run_all(engine)["tokens"]["b"] == reference_generate([1, 2, 3], 2, VOCAB)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    spare_blocks=st.integers(0, 12),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 6),
+    prefix_caching=st.booleans(),
+    requests=st.lists(
+        st.tuples(
+            st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=20),
+            st.integers(1, 6),  # max_tokens
+            st.integers(0, 2),  # priority
+            st.integers(0, 3),  # steps before the next arrival
+            st.booleans(),  # aborted after those steps
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_any_configuration_matches_reference_and_frees_everything(
+    block_size, spare_blocks, budget, max_num_seqs, prefix_caching, requests
+):
+    longest = max(len(prompt) + max_tokens for prompt, max_tokens, *_ in requests)
+    num_blocks = -(-longest // block_size) + spare_blocks  # the largest request always fits
+    engine, _ = make_engine(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=prefix_caching,
+    )
+    outputs: dict[str, list[int]] = {}
+    aborted = set()
+    reasons = {}
+    for index, (prompt, max_tokens, priority, wait, abort) in enumerate(requests):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        engine.add_request(str(index), prompt, params, priority=priority)
+        for _ in range(wait):
+            for delta in engine.step().deltas:
+                outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+                if delta.finished:
+                    reasons[delta.request_id] = delta.finish_reason
+        if abort and engine.abort(str(index)):
+            aborted.add(str(index))
+    result = run_all(engine, outputs)
+    result["reasons"].update(reasons)
+    for index, (prompt, max_tokens, *_) in enumerate(requests):
+        expected = reference_generate(prompt, max_tokens, VOCAB)
+        got = result["tokens"].get(str(index), [])
+        if str(index) in aborted:
+            assert got == expected[: len(got)]
+            assert result["reasons"][str(index)] is FinishReason.ABORT
+        else:
+            assert got == expected
+    assert engine.block_manager.num_free_blocks == num_blocks
+    assert not engine.has_unfinished()

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -247,6 +248,37 @@ async def _tokenize(address: str) -> list[list[int]]:
     return [list(result.token_ids) for result in response.results]
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _router_ttft_totals(port: int | None) -> tuple[float, float] | None:
+    """(sum, count) of the router's TTFT histogram from its /metrics, or None."""
+    if port is None:
+        return None
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        for name in ("sum", "count"):
+            if line.startswith(f"sluice_router_time_to_first_token_seconds_{name} "):
+                values[name] = float(line.split()[1])
+    return (values["sum"], values["count"]) if len(values) == 2 else None
+
+
+def _mean_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * 1e3
+
+
 def _cpu_seconds(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -364,6 +396,7 @@ def _find_pid(port: int) -> int | None:
 
 async def run(args: argparse.Namespace) -> dict:
     stack = None
+    metrics_port = None
     if args.router:
         router, engine, tokenizer = args.router, args.engine, args.tokenizer
         pid = args.router_pid or _find_pid(int(router.rpartition(":")[2]))
@@ -371,8 +404,12 @@ async def run(args: argparse.Namespace) -> dict:
         from services.launcher import Stack, StackConfig
 
         log_dir = Path(tempfile.mkdtemp(prefix="stack-bench-"))
+        metrics_port = _free_port()
         config = StackConfig(
-            model=args.model, port=0, router_args=("--log-level", "WARNING"), log_dir=log_dir
+            model=args.model,
+            port=0,
+            router_args=("--log-level", "WARNING", "--metrics-port", str(metrics_port)),
+            log_dir=log_dir,
         )
         if args.synthetic_step_ms:
             starter = _synthetic_engine_starter(args.synthetic_step_ms)
@@ -387,7 +424,9 @@ async def run(args: argparse.Namespace) -> dict:
         engine_result = (
             await _engine_run(engine, prompt_ids, args) if args.only != "router" else None
         )
+        ttft_before = _router_ttft_totals(metrics_port)
         router_result = await _router_run(router, args, pid) if args.only != "engine" else None
+        ttft_after = _router_ttft_totals(metrics_port)
         if args.only is None:
             engine_idle_ttft = await _engine_idle_ttft(engine, prompt_ids, args.idle_samples)
             router_idle_ttft = await _router_idle_ttft(router, args.idle_samples)
@@ -413,6 +452,7 @@ async def run(args: argparse.Namespace) -> dict:
             else None
         ),
         "added_ttft_median_ms": router_result.ttft_median_ms - engine_result.ttft_median_ms,
+        "router_side_ttft_mean_ms": _mean_ms(ttft_before, ttft_after),
         "idle_ttft_median_ms": {"engine_alone": engine_idle_ttft, "router": router_idle_ttft},
         "added_idle_ttft_median_ms": router_idle_ttft - engine_idle_ttft,
     }
@@ -433,6 +473,11 @@ def _print(report: dict) -> None:
         )
     print(f"ratio router / engine alone: {report['ratio_router_to_engine']:.3f}")
     print(f"added median TTFT under load: {report['added_ttft_median_ms']:.1f} ms")
+    if report["router_side_ttft_mean_ms"] is not None:
+        print(
+            "router-side mean TTFT under load (arrival at the router to first token, from its "
+            f"metrics): {report['router_side_ttft_mean_ms']:.1f} ms"
+        )
     idle = report["idle_ttft_median_ms"]
     print(
         f"idle median TTFT (one request at a time): engine alone {idle['engine_alone']:.2f} ms, "

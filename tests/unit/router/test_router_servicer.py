@@ -22,7 +22,7 @@ from protos.sluice.v1 import (
 from services.common.errors import InvalidArgumentError
 from services.router.config import RouterConfig
 from services.router.server import shutdown, start
-from tests.unit.router.fakes import FakeEngine, FakeTokenizer, generated_text, start_fake
+from tests.unit.router.router_fakes import FakeEngine, FakeTokenizer, generated_text, start_fake
 
 
 class Stack:

@@ -123,6 +123,7 @@ class EngineLoop:
         self._running = False
         self._live: set[str] = set()  # touched only by the loop thread
         self._step_index = 0
+        self.accepted_requests = 0  # requests the engine took (a generation each); for tests/ops
         self._failed_steps = 0  # consecutive; backs off a broken engine instead of spinning
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.initial_load = engine.load()
@@ -235,6 +236,7 @@ class EngineLoop:
                 rejections.append(Rejection(submit.request_id, "INTERNAL", str(exc)))
             else:
                 self._live.add(submit.request_id)
+                self.accepted_requests += 1
         return rejections
 
     def _track(self, deltas: list[SequenceDelta]) -> list[SequenceDelta]:

@@ -49,6 +49,8 @@ from services.engine.server_convert import (
 from services.engine.server_metrics import MetricsRecorder
 from services.engine.worker_config import WorkerConfig
 
+ACCEPTED_REQUESTS_TRAILER = "sluice-engine-accepted-requests"
+
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "sluice.v1.Engine"
@@ -115,7 +117,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Info(
         self, request: engine_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineInfo:
-        self._ready()
+        engine_loop = self._ready()
+        # Not in the proto: how many requests this engine accepted (each is one generation).
+        context.set_trailing_metadata(
+            ((ACCEPTED_REQUESTS_TRAILER, str(engine_loop.accepted_requests)),)
+        )
         info = self._info
         return engine_pb2.EngineInfo(
             model=info.model_name,

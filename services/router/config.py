@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from services.common.config import add_arguments, field, from_layers
 from services.common.errors import InvalidArgumentError
+from services.common.redis_store import StoreConfig
+from services.router.api_keys import ApiKeyConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,18 @@ class RouterConfig:
     api_keys_file: str | None = field(
         None, help="file with one API key per line; unset means no authentication"
     )
+    engine_registry: bool = field(
+        False, help="find engines in the Redis worker registry (on whenever --redis-url is set)"
+    )
+    redis_api_keys: bool = field(
+        False, help="also accept API keys stored in Redis (`sluice keys add`); needs --redis-url"
+    )
+    registry_poll_s: float = field(
+        1.0, help="seconds between reads of the Redis engine registry (with --redis-url)"
+    )
+    idempotency_ttl_s: float = field(
+        600.0, help="seconds a finished request's result is kept for a retry with its request_id"
+    )
     tokenize_timeout: float = field(10.0, help="seconds a Tokenize call may take")
     reconnect_min_backoff: float = field(0.1, help="first reconnect delay to a lost service, s")
     reconnect_max_backoff: float = field(5.0, help="longest reconnect delay to a lost service, s")
@@ -55,7 +69,7 @@ class RouterConfig:
                 self, "engines", tuple(e.strip() for e in self.engines.split(",") if e.strip())
             )
         object.__setattr__(self, "engines", tuple(self.engines))
-        if not self.engines:
+        if not self.engines and not self.engine_registry:
             raise InvalidArgumentError("at least one engine address is needed (--engines)")
         for address in (*self.engines, self.tokenizer):
             _check_address(address)
@@ -64,6 +78,10 @@ class RouterConfig:
         if self.max_inflight_per_engine < 0:
             raise InvalidArgumentError("max_inflight_per_engine must be >= 0")
         for name in ("retry_after", "grace", "tokenize_timeout"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value}")
+        for name in ("registry_poll_s", "idempotency_ttl_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value}")
@@ -83,6 +101,32 @@ class RouterConfig:
         )
         add_arguments(parser, cls)
         return from_layers(cls, parser.parse_args(argv))
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Everything `sluice serve router` reads: the router's own config and its shared store."""
+
+    router: RouterConfig
+    store: StoreConfig
+    api_keys: ApiKeyConfig
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str] | None = None) -> RouterSettings:
+        parser = argparse.ArgumentParser(
+            prog="sluice serve router", description="The public Sluice router service."
+        )
+        add_arguments(parser, RouterConfig)
+        add_arguments(parser, StoreConfig)
+        add_arguments(parser, ApiKeyConfig)
+        args = parser.parse_args(argv)
+        store = from_layers(StoreConfig, args)
+        if store.redis_url is not None and not args.engine_registry:
+            args.engine_registry = True
+        router = from_layers(RouterConfig, args)
+        if router.redis_api_keys and store.redis_url is None:
+            raise InvalidArgumentError("--redis-api-keys needs --redis-url")
+        return cls(router, store, from_layers(ApiKeyConfig, args))
 
 
 def _positive_int(name: str, value: object) -> None:

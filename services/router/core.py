@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from protos.sluice.v1 import router_pb2, tokenizer_pb2
 from services.common import metrics
@@ -32,6 +33,8 @@ from services.router.convert import sampling_params_from_pb, submit_pb, tokenize
 from services.router.discovery import EngineDiscovery, StaticDiscovery
 from services.router.dispatch import DispatchPolicy, LeastLoadedPolicy
 from services.router.engine_pool import EnginePool
+from services.router.idempotency import IdempotencyCache
+from services.router.rate_limit import RateLimiter
 from services.router.request import RequestState, RouterRequest
 from services.router.streaming import OutputStreamer
 from services.router.tokenizer_client import TokenizerClient
@@ -51,7 +54,9 @@ class RouterCore:
         *,
         discovery: EngineDiscovery | None = None,
         policy: DispatchPolicy | None = None,
-        authenticator: ApiKeyAuthenticator | None = None,
+        authenticator: Any = None,
+        rate_limiter: RateLimiter | None = None,
+        idempotency: IdempotencyCache | None = None,
     ) -> None:
         self.config = config
         self.queue = AdmissionQueue(
@@ -60,7 +65,10 @@ class RouterCore:
             min_retry_after_s=config.retry_after,
         )
         self.policy = policy or LeastLoadedPolicy()
+        # `check(metadata)` raises UNAUTHENTICATED or returns the caller (key_id, limits) or None.
         self.auth = authenticator or ApiKeyAuthenticator.from_file(config.api_keys_file)
+        self.rate_limiter = rate_limiter
+        self.idempotency = idempotency
         self.running: dict[str, RouterRequest] = {}
         self.active: set[RouterRequest] = set()
         self.tokenizer = TokenizerClient(
@@ -139,7 +147,7 @@ class RouterCore:
         time_remaining: float | None,
     ) -> RouterRequest:
         arrival = time.monotonic()
-        self.auth.check(metadata)
+        caller = self.auth.check(metadata)
         self._check_open()
         params = (
             sampling_params_from_pb(message.params)
@@ -167,6 +175,10 @@ class RouterCore:
                 raise DeadlineExceededError("the deadline passed before tokenizing")
             prompt_ids = await self.tokenizer.tokenize(item, timeout)
         params.validate_for_model(len(prompt_ids), max_model_len, vocab_size)
+        if self.rate_limiter is not None and caller is not None:
+            await self.rate_limiter.acquire(
+                caller.key_id, tokens=len(prompt_ids) + params.max_tokens, limits=caller.limits
+            )
         self._check_open()
         request = RouterRequest(
             request_id=f"{self._id_prefix}{next(self._ids)}",

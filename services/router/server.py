@@ -18,15 +18,18 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from protos.sluice.v1 import router_pb2, router_pb2_grpc
 from services.common import metrics
 from services.common.config import describe
 from services.common.errors import DeadlineExceededError, SluiceError
 from services.common.grpc_server import RunningServer, start_server
-from services.router.config import RouterConfig
+from services.router.config import RouterConfig, RouterSettings
 from services.router.convert import response_pb
 from services.router.core import RouterCore
+from services.router.idempotency import ClaimKind, payload_hash, scoped_id
+from services.router.shared_state import SHARED_STATE_HEALTH, SharedState
 
 log = logging.getLogger("services.router")
 
@@ -40,6 +43,41 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.core = core
 
     async def Generate(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        cache = self.core.idempotency
+        if cache is None or not request.request_id:
+            async for response in self._generate(request, context):
+                yield response
+            return
+        # A request id is idempotent within its caller: same payload -> the recorded (or
+        # in-flight) stream, never a second generation; another payload -> ALREADY_EXISTS.
+        caller = self.core.auth.check(context.invocation_metadata())
+        scoped = scoped_id(getattr(caller, "key_id", ""), request.request_id)
+        payload = router_pb2.GenerateRequest()
+        payload.CopyFrom(request)
+        payload.request_id = ""
+        claim = await cache.claim(
+            scoped, payload_hash(payload.SerializeToString(deterministic=True))
+        )
+        if claim.kind is not ClaimKind.NEW:
+            async for raw in cache.replay(scoped, timeout_s=context.time_remaining()):
+                yield router_pb2.GenerateResponse.FromString(raw)
+            return
+        finished = False
+        try:
+            async for response in self._generate(request, context):
+                await cache.append(scoped, response.SerializeToString())
+                yield response
+            finished = True
+        finally:
+            with contextlib.suppress(Exception):
+                if finished:
+                    await cache.complete(scoped)
+                else:
+                    await cache.abandon(scoped)
+
+    async def _generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         routed = await self.core.admit(
@@ -100,12 +138,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return response
 
 
-async def start(config: RouterConfig, **core_options: Any) -> tuple[RouterCore, RunningServer]:
+async def start(
+    config: RouterConfig, *, shared: SharedState | None = None, **core_options: Any
+) -> tuple[RouterCore, RunningServer]:
     """Start the core and the gRPC server (health follows the core's readiness).
 
-    `core_options` go to `RouterCore` (discovery=, policy=, authenticator=), so a Redis
-    registry, another dispatch policy or shared API keys plug in without touching the servicer.
+    `core_options` go to `RouterCore` (discovery=, policy=, authenticator=, ...). With `shared`
+    (Redis-backed state) the registry, API keys, rate limits and idempotency come from it, and
+    the health service `sluice.v1.Router.SharedState` is NOT_SERVING while Redis is unreachable
+    (the overall status only follows readiness: the router keeps serving from its last view).
     """
+    if shared is not None:
+        core_options.setdefault("discovery", shared.discovery)
+        core_options.setdefault("authenticator", shared.authenticator)
+        core_options.setdefault("rate_limiter", shared.rate_limiter)
+        core_options.setdefault("idempotency", shared.idempotency)
     core = RouterCore(config, **core_options)
     servicer = RouterServicer(core)
     server = await start_server(
@@ -115,6 +162,22 @@ async def start(config: RouterConfig, **core_options: Any) -> tuple[RouterCore, 
     )
     loop = asyncio.get_running_loop()
     pending_health: set[asyncio.Task] = set()
+
+    def on_degraded(degraded: bool) -> None:
+        log.warning("shared state (Redis) %s", "DEGRADED" if degraded else "recovered")
+        status = (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+            if degraded
+            else health_pb2.HealthCheckResponse.SERVING
+        )
+        task = loop.create_task(server.health.set(SHARED_STATE_HEALTH, status))
+        pending_health.add(task)
+        task.add_done_callback(pending_health.discard)
+
+    if shared is not None:
+        shared.follow_registry(core.pool.refresh)
+        shared.on_degraded(on_degraded)
+        on_degraded(shared.degraded)
 
     def on_readiness(serving: bool) -> None:
         task = loop.create_task(server.set_serving(serving))
@@ -136,10 +199,12 @@ async def shutdown(core: RouterCore, server: RunningServer, grace_s: float) -> b
     return drained
 
 
-async def serve(config: RouterConfig, *, stop: asyncio.Event | None = None) -> int:
+async def serve(settings: RouterSettings, *, stop: asyncio.Event | None = None) -> int:
     """Run the router until SIGTERM/SIGINT (or `stop` is set), drain, and return 0."""
+    config = settings.router
     metrics.start_metrics_server(config.metrics_port)
-    core, server = await start(config)
+    shared = await SharedState.open(settings)
+    core, server = await start(config, shared=shared)
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -149,12 +214,14 @@ async def serve(config: RouterConfig, *, stop: asyncio.Event | None = None) -> i
     await stop.wait()
     log.info("shutting down")
     await shutdown(core, server, config.grace)
+    await shared.close()
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = RouterConfig.from_argv(argv)
+        settings = RouterSettings.from_argv(argv)
+        config = settings.router
     except SluiceError as error:
         print(f"error: {error.message}", file=sys.stderr)
         return 2
@@ -164,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     log.info("%s", describe(config))
     try:
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(settings))
     except (OSError, SluiceError) as error:
         print(f"error: cannot run the router: {error}", file=sys.stderr)
         return 1

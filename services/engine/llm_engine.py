@@ -103,24 +103,11 @@ class LLMEngine:
 
     @staticmethod
     def _build_runner(config: EngineConfig) -> tuple[Any, Any]:
-        import torch
-
         from services.common.model_files import resolve_model
-        from services.engine.model_runner import ModelRunner
+        from services.engine.runner_factory import create_model_runner
 
         files = resolve_model(config.model)
-        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-        runner = ModelRunner(
-            files,
-            device=config.resolved_device(),
-            dtype=dtype,
-            block_size=config.block_size,
-            kv_cache_bytes=config.kv_cache_bytes,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_model_len=config.max_model_len,
-            backend=config.backend,
-            seed=config.seed,
-        )
+        runner = create_model_runner(config, files)
         return runner, files
 
     # ---- requests -------------------------------------------------------------------------

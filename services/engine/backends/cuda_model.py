@@ -101,7 +101,11 @@ class CudaLlama:
         block_size: int = 16,
         max_blocks_per_seq: int = 512,
         graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """kv_caches: per layer (key, value) caches to share (e.g. the engine's), else allocated;
+        rotary: float32 (cos, sin) [max_position, head_dim // 2], else built from the config."""
         self.config = config
         self.weights = weights
         self.device = weights.embed.device
@@ -114,14 +118,20 @@ class CudaLlama:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.attention = CudaPagedAttention()
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.key_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)]
-        self.value_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)]
-        for _ in range(len(weights.layers) - 1):
-            self.key_caches.append(torch.empty(shape, dtype=self.dtype, device=self.device))
-            self.value_caches.append(torch.empty(shape, dtype=self.dtype, device=self.device))
-        max_position = max_blocks_per_seq * block_size
-        self.cos, self.sin = rotary_tables(config, max_position, self.device)
+        if kv_caches is None:
+            shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+            kv_caches = [
+                (
+                    torch.empty(shape, dtype=self.dtype, device=self.device),
+                    torch.empty(shape, dtype=self.dtype, device=self.device),
+                )
+                for _ in weights.layers
+            ]
+        self.key_caches = [key for key, _ in kv_caches]
+        self.value_caches = [value for _, value in kv_caches]
+        if rotary is None:
+            rotary = rotary_tables(config, max_blocks_per_seq * block_size, self.device)
+        self.cos, self.sin = rotary
         self._static = _StaticDecodeBuffers(
             max(graph_buckets), max_blocks_per_seq, weights.lm_head.shape[0], self.device
         )

@@ -1,0 +1,204 @@
+"""CudaModelRunner: the engine's ModelRunner on the CUDA fast path (issue 5).
+
+ModelRunner builds the model, its weights (already fused: one QKV and one gate/up matrix per
+layer) and the paged KV cache; this subclass runs the same weights and the same cache through
+backends/cuda_model.CudaLlama: Triton kernels for fused add + RMSNorm, rotary + KV store,
+paged attention and SwiGLU, the skinny matmul where it measures faster than cuBLAS, and pure
+decode steps as one CUDA graph replay per batch-size bucket. A decode step copies its token ids,
+positions and block tables from pinned host buffers without a sync, so the only wait of a step
+is the engine reading the sampled tokens. Prefill and mixed steps run the same kernels eagerly.
+The plain torch model stays bound to the same cache, so `reference_execute` checks the fast
+path against it. Models the fast path does not cover (biases, q/k norm, odd head sizes) are
+refused here; runner_factory then keeps the plain ModelRunner.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+
+from services.common.errors import FailedPreconditionError, InvalidArgumentError
+from services.common.model_files import ModelFiles
+from services.engine.backends.cuda_model import CudaLlama, LayerWeights, ModelWeights
+from services.engine.cuda_graph import DEFAULT_BUCKETS
+from services.engine.forward_batch import ScheduledBatch
+from services.engine.model_runner import ModelRunner
+from services.engine.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def fast_path_unsupported(config: ModelConfig) -> str | None:
+    """Why the CUDA fast path cannot run this model, or None when it can."""
+    if config.qkv_bias or config.output_bias or config.mlp_bias:
+        return "projection biases"
+    if config.qk_norm:
+        return "per-head q/k norm"
+    if config.head_dim < 16 or config.head_dim & (config.head_dim - 1):
+        return f"head_dim {config.head_dim} (needs a power of two >= 16)"
+    if config.num_heads % config.num_kv_heads:
+        return "heads not a multiple of KV heads"
+    return None
+
+
+def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The default buckets up to the first one holding max_num_seqs rows."""
+    buckets = [size for size in DEFAULT_BUCKETS if size < max_num_seqs]
+    larger = [size for size in DEFAULT_BUCKETS if size >= max_num_seqs]
+    buckets.append(larger[0] if larger else DEFAULT_BUCKETS[-1])
+    return tuple(buckets)
+
+
+class CudaModelRunner(ModelRunner):
+    """ModelRunner whose steps run the Triton kernels and, for decode, captured CUDA graphs."""
+
+    def __init__(
+        self,
+        model_files: ModelFiles,
+        *,
+        max_num_seqs: int = 256,
+        use_cuda_graphs: bool = True,
+        **runner_kwargs,
+    ) -> None:
+        super().__init__(model_files, **runner_kwargs)
+        if self.device.type != "cuda":
+            raise InvalidArgumentError("CudaModelRunner needs a CUDA device")
+        config = self.model_config
+        reason = fast_path_unsupported(config)
+        if reason is not None:
+            raise FailedPreconditionError(f"the CUDA fast path does not support {reason}")
+        self.fast = CudaLlama(
+            _hf_style_config(config),
+            _weights_of(self.model),
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_blocks_per_seq=-(-config.max_model_len // self.block_size),
+            graph_buckets=graph_buckets(max_num_seqs),
+            kv_caches=list(self.kv_cache.layers),
+            rotary=_rotary_of(self.model),
+        )
+        self.fast.tune_skinny_matmuls()
+        self.use_cuda_graphs = use_cuda_graphs
+        if use_cuda_graphs:
+            self.fast.capture_graphs()
+        largest = self.fast.graphs.max_batch_size
+        width = self.fast._static.block_tables.shape[1]
+        self._host_ids = torch.zeros(largest, dtype=torch.long).pin_memory()
+        self._host_positions = torch.zeros(largest, dtype=torch.long).pin_memory()
+        self._host_tables = torch.zeros((largest, width), dtype=torch.int32).pin_memory()
+        self._copies_done: torch.cuda.Event | None = None
+        self.graph_steps = 0
+        self.eager_steps = 0
+        logger.info(
+            "CUDA fast path: graphs %s for buckets %s, skinny matmuls %d",
+            "on" if use_cuda_graphs else "off",
+            self.fast.graphs.buckets,
+            len(self.fast.skinny_choices),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step; float32 logits [batch.num_logits, vocab_size] on the GPU."""
+        sequences = batch.sequences
+        if not sequences:
+            return torch.empty((0, self.model_config.vocab_size), device=self.device)
+        if (
+            self.use_cuda_graphs
+            and batch.is_pure_decode
+            and len(sequences) <= self.fast.graphs.max_batch_size
+            and all(seq.needs_logits for seq in sequences)
+        ):
+            return self._graph_decode(batch)
+        input_ids, positions, metadata = self.prepare_inputs(batch)
+        self.eager_steps += 1
+        if metadata.logits_indices.numel() == 0:
+            # Still run the layers: the step's K/V must land in the cache.
+            metadata.logits_indices = metadata.query_start_loc[1:2].long() - 1
+            self.fast.forward(input_ids, positions, metadata)
+            return torch.empty((0, self.model_config.vocab_size), device=self.device)
+        return self.fast.forward(input_ids, positions, metadata)
+
+    @torch.inference_mode()
+    def reference_execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The same step through the plain torch model (the CPU path's code), for checks."""
+        return ModelRunner.execute(self, batch)
+
+    def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor:
+        sequences = batch.sequences
+        count = len(sequences)
+        block_size = self.block_size
+        vocab = self.model_config.vocab_size
+        limit = self.model_config.max_model_len
+        width = max(len(seq.block_table) for seq in sequences)
+        if width > self._host_tables.shape[1]:
+            raise InvalidArgumentError(f"a block table of {width} blocks exceeds max_model_len")
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the last step's copies have left the host buffers
+        ids, positions, tables = self._host_ids, self._host_positions, self._host_tables
+        for row, seq in enumerate(sequences):
+            token, position = seq.token_ids[0], seq.start_position
+            if not 0 <= token < vocab:
+                raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
+            if position >= limit:
+                raise InvalidArgumentError(
+                    f"sequence {seq.seq_id} reaches {position + 1} tokens, over max_model_len "
+                    f"{limit}"
+                )
+            if len(seq.block_table) * block_size <= position:
+                raise InvalidArgumentError(
+                    f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold "
+                    f"{position + 1} tokens"
+                )
+            ids[row] = token
+            positions[row] = position
+        tables[:count, :width] = torch.tensor(
+            [seq.block_table + [0] * (width - len(seq.block_table)) for seq in sequences],
+            dtype=torch.int32,
+        )
+        logits, _ = self.fast.decode(ids[:count], positions[:count], tables[:count, :width])
+        self._copies_done = torch.cuda.Event()
+        self._copies_done.record()
+        self.graph_steps += 1
+        return logits
+
+
+def _hf_style_config(config: ModelConfig) -> SimpleNamespace:
+    """The Hugging Face attribute names CudaLlama reads."""
+    return SimpleNamespace(
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        hidden_size=config.hidden_size,
+        rms_norm_eps=config.rms_norm_eps,
+    )
+
+
+def _weights_of(model: torch.nn.Module) -> ModelWeights:
+    """Views of the engine model's (already fused) parameters; nothing is copied."""
+    layers = []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        layers.append(
+            LayerWeights(
+                input_norm=layer.input_layernorm.weight.detach(),
+                qkv=attention.qkv_proj.weight.detach(),
+                output=attention.o_proj.weight.detach(),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                gate_up=mlp.gate_up_proj.weight.detach(),
+                down=mlp.down_proj.weight.detach(),
+            )
+        )
+    embed = model.model.embed_tokens.weight.detach()
+    head = embed if model.lm_head is None else model.lm_head.weight.detach()
+    return ModelWeights(embed, layers, model.model.norm.weight.detach(), head)
+
+
+def _rotary_of(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's own cos/sin tables (rope scaling included), halved for the fused kernel."""
+    rotary = model.model.rotary
+    half = rotary.head_dim // 2
+    cos = rotary.cos_cache[:, :half].float().contiguous()
+    sin = rotary.sin_cache[:, :half].float().contiguous()
+    return cos, sin

@@ -8,6 +8,7 @@ no gRPC). `serve` and `bench` hand the rest of the command line to the service's
     sluice generate --chat "What is the capital of France?"
     sluice serve engine --model dummy:tiny --port 50061
     sluice bench ...                   # the load-test harness (loadtest/)
+    sluice keys add --name alice --redis-url redis://...   # API keys in Redis (add|list|revoke)
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="the load-test harness (see `sluice bench --help`)", add_help=False
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    keys = commands.add_parser(
+        "keys",
+        help="manage API keys in Redis: add|list|revoke (see `sluice keys --help`)",
+        add_help=False,
+    )
+    keys.add_argument("keys_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -82,9 +89,25 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up = commands.add_parser(
         "up",
         help="run the whole stack on this machine until Ctrl-C",
-        description="Start tokenizer, engine(s) and router as separate processes on loopback, "
-        "print the router address when ready, stop all cleanly on Ctrl-C/SIGTERM. Unknown "
-        "flags are passed to the router (e.g. --grace, --retry-after).",
+        description="Start tokenizer, engine(s) and router on loopback: engines as Ray actors "
+        "(restarted on a crash; --no-ray: plain processes), shared state in Redis (--redis-url, "
+        "else a private redis-server with a random password, else in memory). Prints the "
+        "router address when ready, stops all cleanly on Ctrl-C/SIGTERM. Unknown flags are "
+        "passed to the router (e.g. --grace, --retry-after).",
+    )
+    up.add_argument(
+        "--no-ray", action="store_true", help="run engines as plain processes, not Ray actors"
+    )
+    up.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    up.add_argument(
+        "--ray-dashboard", action="store_true", help="start the Ray dashboard (off by default)"
+    )
+    up.add_argument(
+        "--engine-max-restarts", type=int, default=10, help="Ray restarts of a crashed engine"
+    )
+    up.add_argument("--redis-url", help="shared Redis (redis://, rediss://); default: private")
+    up.add_argument(
+        "--no-redis", action="store_true", help="no Redis: in-memory state, one router only"
     )
     up.add_argument("--port", type=int, default=50051, help="router port (default: %(default)s)")
     up.add_argument("--host", default="127.0.0.1", help="router address (default: %(default)s)")
@@ -143,8 +166,15 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
             engine_args=(*engine_args, *shlex.split(namespace.engine_args)),
             startup_timeout_s=namespace.startup_timeout,
             stop_grace_s=namespace.stop_grace,
+            ray=not namespace.no_ray,
+            ray_cluster=_ray_config(namespace),
+            shared_state=not namespace.no_redis,
+            redis_url=namespace.redis_url,
         )
         stack = Stack(config)
+        if namespace.no_redis and namespace.redis_url:
+            print("error: --no-redis and --redis-url contradict", file=sys.stderr)
+            return 2
         print("sluice: starting tokenizer, engine(s) and router ...", file=sys.stderr, flush=True)
         # SIGTERM during start-up stops the children started so far, like Ctrl-C does.
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -159,6 +189,18 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
         return 130
     print(f"Sluice router ready at {stack.router_address}", flush=True)
     return stack.run_until_signal(lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _ray_config(namespace: argparse.Namespace) -> object | None:
+    if namespace.no_ray:
+        return None
+    from services.ray_cluster import RayClusterConfig
+
+    return RayClusterConfig(
+        ray_address=namespace.ray_address,
+        ray_dashboard=namespace.ray_dashboard,
+        engine_max_restarts=namespace.engine_max_restarts,
+    )
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
@@ -226,6 +268,10 @@ def dispatch(argv: Sequence[str]) -> int:
         return run_serve(argv[1], argv[2:])
     if argv and argv[0] == "bench":
         return run_bench(argv[1:])
+    if argv and argv[0] == "keys":
+        from services.keys_cli import main as keys_main
+
+        return int(keys_main(argv[1:]) or 0)
     parser = build_parser()
     namespace, unknown = parser.parse_known_args(argv)
     if namespace.command == "bench":

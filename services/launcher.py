@@ -12,8 +12,12 @@ process per role. The launcher
 - reports a child that dies unexpectedly by name and exit code.
 
 It is used by `sluice up` and by the integration test fixture (tests/integration/conftest.py).
-Issue 4 moves engines into Ray actors: the engine-starting part is one replaceable function,
-`EngineStarter` (default `start_engine_processes`), so that change touches nothing else.
+Two ways to run engines: plain processes (the default of `StackConfig`, fast to start; what most
+integration tests use), or, with `ray=True` (`sluice up` unless --no-ray), Ray actors started by
+services/ray_cluster.py that Ray restarts on a crash. With `shared_state=True` the stack gets a
+Redis (`redis_url`, else a private loopback redis-server with a random password, else the
+in-memory store, said at start-up); Ray engines register there and the router finds them in the
+registry, so engines that restart or join need no router restart.
 """
 
 from __future__ import annotations
@@ -27,11 +31,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.redis_server import LocalRedisServer, redis_for_stack
+
+if TYPE_CHECKING:  # Ray and the engine worker load only when Ray engines are asked for
+    from services.ray_cluster import RayCluster, RayClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,10 @@ class StackConfig:
     startup_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None  # None: children log to this process's stderr
+    ray: bool = False  # engines as Ray actors (services/ray_cluster.py) instead of processes
+    ray_cluster: RayClusterConfig | None = None  # Ray flags (address, restarts, ...)
+    shared_state: bool = False  # a Redis for registry/keys/limits/idempotency (see module doc)
+    redis_url: str | None = None  # an existing Redis; None with shared_state: a private one
 
     def __post_init__(self) -> None:
         if isinstance(self.engines, bool) or not isinstance(self.engines, int):
@@ -185,6 +197,10 @@ class Stack:
         self.tokenizer: ChildProcess | None = None
         self.engines: list[ChildProcess] = []
         self.router: ChildProcess | None = None
+        self.redis_url: str | None = None
+        self.redis_server: LocalRedisServer | None = None
+        self.ray_cluster: RayCluster | None = None
+        self._ray_addresses: list[str] = []
         self._stopped = False
 
     # ---- addresses ------------------------------------------------------------------------
@@ -202,7 +218,7 @@ class Stack:
 
     @property
     def engine_addresses(self) -> list[str]:
-        return [engine.address for engine in self.engines]
+        return [engine.address for engine in self.engines] + self._ray_addresses
 
     @property
     def children(self) -> list[ChildProcess]:
@@ -231,22 +247,43 @@ class Stack:
             free_port(),
             [*model.flags(), *config.tokenizer_args],
         )
-        self.engines = self.engine_starter(config, model)
+        if config.shared_state or config.redis_url:
+            self.redis_url, self.redis_server = redis_for_stack(config.redis_url)
+        if config.ray:
+            self._start_ray_engines(model)
+        else:
+            self.engines = self.engine_starter(config, model)
         for child in (self.tokenizer, *self.engines):
             wait_until_serving(child, deadline)
         router_port = config.port or free_port(config.host)
+        flags = router_flags(self.tokenizer.address, self.engine_addresses)
+        if self.redis_url is not None:
+            # Ray engines register in Redis: the router follows the registry. Plain engine
+            # processes do not register: the router keeps their static list.
+            flags += ["--redis-url", self.redis_url, "--redis-api-keys"]
+            flags += ["--engine-registry" if config.ray else "--no-engine-registry"]
         self.router = spawn_service(
             config,
             "router",
             "router",
             router_port,
-            [
-                *router_flags(self.tokenizer.address, self.engine_addresses),
-                *config.router_args,
-            ],
+            [*flags, *config.router_args],
             host=config.host,
         )
         wait_until_serving(self.router, deadline)
+
+    def _start_ray_engines(self, model: ModelSpec) -> None:
+        from services.ray_cluster import RayClusterConfig, start_ray_engines
+
+        ray_config = replace(
+            self.config.ray_cluster or RayClusterConfig(), engines=self.config.engines
+        )
+        self.ray_cluster = start_ray_engines(
+            ["--host", LOOPBACK, *model.flags(), *self.config.engine_args],
+            redis_url=self.redis_url,
+            config=ray_config,
+        )
+        self._ray_addresses = [engine.address for engine in self.ray_cluster.engines]
 
     def dead_children(self) -> list[ChildProcess]:
         return [child for child in self.children if not child.alive()]
@@ -260,6 +297,13 @@ class Stack:
         if self.router is not None:
             terminate([self.router], grace)
         terminate([*self.engines, *([self.tokenizer] if self.tokenizer else [])], grace)
+        if self.ray_cluster is not None:
+            try:
+                self.ray_cluster.stop(timeout_s=max(grace, 1.0))
+            except Exception:  # noqa: BLE001 - keep stopping the rest
+                log.exception("stopping the Ray engines failed")
+        if self.redis_server is not None:
+            self.redis_server.stop()
         for child in self.children:
             child.close_log()
 

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.common import env
 from services.common.config import add_arguments, field, from_layers
 from services.common.errors import InvalidArgumentError
 from services.common.redis_store import StoreConfig
@@ -44,7 +45,9 @@ class RouterConfig:
         None, help="file with one API key per line; unset means no authentication"
     )
     engine_registry: bool = field(
-        False, help="find engines in the Redis worker registry (on whenever --redis-url is set)"
+        False,
+        help="find engines in the Redis worker registry instead of --engines (default: on "
+        "when --redis-url is set)",
     )
     redis_api_keys: bool = field(
         False, help="also accept API keys stored in Redis (`sluice keys add`); needs --redis-url"
@@ -83,8 +86,8 @@ class RouterConfig:
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value}")
         for name in ("registry_poll_s", "idempotency_ttl_s"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value}")
+            if not math.isfinite(value) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}")
         if not 0 < self.reconnect_min_backoff <= self.reconnect_max_backoff:
             raise InvalidArgumentError("need 0 < reconnect_min_backoff <= reconnect_max_backoff")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -121,8 +124,8 @@ class RouterSettings:
         add_arguments(parser, ApiKeyConfig)
         args = parser.parse_args(argv)
         store = from_layers(StoreConfig, args)
-        if store.redis_url is not None and not args.engine_registry:
-            args.engine_registry = True
+        if args.engine_registry is None and env.setting("engine_registry") is None:
+            args.engine_registry = store.redis_url is not None
         router = from_layers(RouterConfig, args)
         if router.redis_api_keys and store.redis_url is None:
             raise InvalidArgumentError("--redis-api-keys needs --redis-url")

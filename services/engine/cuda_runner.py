@@ -134,10 +134,8 @@ class CudaModelRunner(ModelRunner):
         width = max(len(seq.block_table) for seq in sequences)
         if width > self._host_tables.shape[1]:
             raise InvalidArgumentError(f"a block table of {width} blocks exceeds max_model_len")
-        if self._copies_done is not None:
-            self._copies_done.synchronize()  # the last step's copies have left the host buffers
-        ids, positions, tables = self._host_ids, self._host_positions, self._host_tables
-        for row, seq in enumerate(sequences):
+        tokens, positions, rows = [], [], []
+        for seq in sequences:
             token, position = seq.token_ids[0], seq.start_position
             if not 0 <= token < vocab:
                 raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
@@ -146,18 +144,23 @@ class CudaModelRunner(ModelRunner):
                     f"sequence {seq.seq_id} reaches {position + 1} tokens, over max_model_len "
                     f"{limit}"
                 )
-            if len(seq.block_table) * block_size <= position:
+            table = seq.block_table
+            if len(table) * block_size <= position:
                 raise InvalidArgumentError(
-                    f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold "
-                    f"{position + 1} tokens"
+                    f"sequence {seq.seq_id}: {len(table)} blocks cannot hold {position + 1} tokens"
                 )
-            ids[row] = token
-            positions[row] = position
-        tables[:count, :width] = torch.tensor(
-            [seq.block_table + [0] * (width - len(seq.block_table)) for seq in sequences],
-            dtype=torch.int32,
+            tokens.append(token)
+            positions.append(position)
+            rows.append(table if len(table) == width else table + [0] * (width - len(table)))
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the last step's copies have left the host buffers
+        self._host_ids[:count] = torch.tensor(tokens, dtype=torch.long)
+        self._host_positions[:count] = torch.tensor(positions, dtype=torch.long)
+        self._host_tables[:count, :width] = torch.tensor(rows, dtype=torch.int32)
+        # Whole rows (contiguous, pinned): entries past a row's blocks are never read.
+        logits, _ = self.fast.decode(
+            self._host_ids[:count], self._host_positions[:count], self._host_tables[:count]
         )
-        logits, _ = self.fast.decode(ids[:count], positions[:count], tables[:count, :width])
         self._copies_done = torch.cuda.Event()
         self._copies_done.record()
         self.graph_steps += 1

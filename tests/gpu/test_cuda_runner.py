@@ -1,0 +1,116 @@
+"""The engine's CUDA fast path: CudaModelRunner against the torch model on the same weights and
+KV cache, and LLMEngine on CUDA running its decode steps through CUDA graphs (GPU only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.errors import InvalidArgumentError
+from services.common.model_files import ModelFiles
+from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
+
+SHAPE = "llama-3.2-1b"  # the real GQA layout (32 heads over 8 KV heads), 16 layers
+
+
+def _files(shape: str = SHAPE) -> ModelFiles:
+    # The runner never reads the tokenizer: no converted default model needed here.
+    return ModelFiles(f"dummy:{shape}", None, Path("."), shape)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    from services.engine.cuda_runner import CudaModelRunner
+
+    return CudaModelRunner(
+        _files(), device="cuda", max_model_len=512, kv_cache_bytes=64 << 20, max_num_seqs=8
+    )
+
+
+def _error(fast: torch.Tensor, reference: torch.Tensor) -> float:
+    assert fast.shape == reference.shape and fast.dtype == torch.float32
+    assert torch.isfinite(fast).all()
+    return float((fast.double() - reference.double()).norm() / reference.double().norm())
+
+
+def test_prefill_and_graph_decode_match_torch_model(runner) -> None:
+    generator = torch.Generator().manual_seed(3)
+    lengths = [37, 80, 5]
+    prompts = [torch.randint(0, 40000, (n,), generator=generator).tolist() for n in lengths]
+    tables = [[1, 5, 9, 13, 17, 21, 25], [2, 6, 10, 14, 18, 22, 26], [3, 7, 11, 15, 19]]
+    batch = ScheduledBatch([ScheduledSequence(i, prompts[i], 0, tables[i], True) for i in range(3)])
+    assert _error(runner.execute(batch), runner.reference_execute(batch)) < 3e-2
+    graphs_before = runner.graph_steps
+    positions = list(lengths)
+    for step in range(4):
+        decode = ScheduledBatch(
+            [
+                ScheduledSequence(i, [prompts[i][step]], positions[i], tables[i], True)
+                for i in range(3)
+            ]
+        )
+        fast = runner.execute(decode).clone()
+        assert _error(fast, runner.reference_execute(decode)) < 3e-2
+        positions = [p + 1 for p in positions]
+    assert runner.graph_steps == graphs_before + 4  # 3 rows ran in the 4-row bucket
+
+
+def test_chunk_without_logits_still_fills_the_cache(runner) -> None:
+    generator = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 40000, (50,), generator=generator).tolist()
+    table = [30, 31, 32, 33]
+    first = ScheduledBatch([ScheduledSequence(0, prompt[:30], 0, table, False)])
+    assert runner.execute(first).shape == (0, runner.model_config.vocab_size)
+    second = ScheduledBatch([ScheduledSequence(0, prompt[30:], 30, table, True)])
+    fast = runner.execute(second).clone()
+    # The reference recomputes the whole prompt into other blocks: same logits expected.
+    whole = ScheduledBatch([ScheduledSequence(1, prompt, 0, [40, 41, 42, 43], True)])
+    assert _error(fast, runner.reference_execute(whole)) < 3e-2
+
+
+def test_bad_decode_input_is_rejected(runner) -> None:
+    vocab = runner.model_config.vocab_size
+    bad = ScheduledBatch([ScheduledSequence(0, [vocab], 10, [1], True)])
+    with pytest.raises(InvalidArgumentError):
+        runner.execute(bad)
+    short = ScheduledBatch([ScheduledSequence(0, [1], 16, [1], True)])
+    with pytest.raises(InvalidArgumentError):
+        runner.execute(short)
+
+
+def test_factory_picks_the_fast_path_on_cuda_only() -> None:
+    from services.engine.config import EngineConfig
+    from services.engine.runner_factory import _why_not_fast
+
+    config = EngineConfig(model=f"dummy:{SHAPE}", device="cuda")
+    assert _why_not_fast(config, _files(), "cuda") is None
+    assert _why_not_fast(config, _files(), "cpu") == "not a CUDA device"
+
+
+def test_engine_on_cuda_uses_graphs_and_finishes(runner) -> None:
+    from services.engine.config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(
+        model=f"dummy:{SHAPE}", device="cuda", max_num_seqs=16, max_model_len=512,
+        kv_cache_bytes=64 << 20, enable_prefix_caching=False,
+    )  # fmt: skip
+    engine = LLMEngine(config, model_runner=runner)
+    graphs_before = runner.graph_steps
+    generator = torch.Generator().manual_seed(5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for index in range(6):
+        prompt = torch.randint(0, 40000, (10 + 7 * index,), generator=generator).tolist()
+        engine.add_request(f"r{index}", prompt, params)
+    engine.abort("r5")
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for delta in engine.step().deltas:
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    assert all(len(tokens[f"r{index}"]) == 12 for index in range(5))
+    assert runner.graph_steps >= graphs_before + 10
+    load = engine.load()
+    assert load.free_blocks == load.total_blocks and load.running == 0

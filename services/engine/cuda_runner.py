@@ -101,16 +101,32 @@ class CudaModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step; float32 logits [batch.num_logits, vocab_size] on the GPU."""
-        sequences = batch.sequences
-        if not sequences:
+        if not batch.sequences:
             return torch.empty((0, self.model_config.vocab_size), device=self.device)
-        if (
+        if self._graph_ready(batch):
+            return self._graph_decode(batch)[0]
+        return self._eager(batch)
+
+    @torch.inference_mode()
+    def execute_greedy(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step; int64 argmax token ids [batch.num_logits] (the all-greedy path): a
+        graph decode step already samples on the GPU, so only those ids reach the host."""
+        if not batch.sequences:
+            return torch.empty((0,), dtype=torch.int64, device=self.device)
+        if self._graph_ready(batch):
+            return self._graph_decode(batch)[1]
+        return self._eager(batch).argmax(dim=-1)
+
+    def _graph_ready(self, batch: ScheduledBatch) -> bool:
+        return (
             self.use_cuda_graphs
             and batch.is_pure_decode
-            and len(sequences) <= self.fast.graphs.max_batch_size
-            and all(seq.needs_logits for seq in sequences)
-        ):
-            return self._graph_decode(batch)
+            and len(batch.sequences) <= self.fast.graphs.max_batch_size
+            and all(seq.needs_logits for seq in batch.sequences)
+        )
+
+    def _eager(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Prefill, mixed or oversized steps: the fused kernels without a graph."""
         input_ids, positions, metadata = self.prepare_inputs(batch)
         self.eager_steps += 1
         if metadata.logits_indices.numel() == 0:
@@ -125,7 +141,8 @@ class CudaModelRunner(ModelRunner):
         """The same step through the plain torch model (the CPU path's code), for checks."""
         return ModelRunner.execute(self, batch)
 
-    def _graph_decode(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _graph_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits [n, vocab], argmax ids [n]): views of the graph's static outputs."""
         sequences = batch.sequences
         count = len(sequences)
         block_size = self.block_size
@@ -158,13 +175,13 @@ class CudaModelRunner(ModelRunner):
         self._host_positions[:count] = torch.tensor(positions, dtype=torch.long)
         self._host_tables[:count, :width] = torch.tensor(rows, dtype=torch.int32)
         # Whole rows (contiguous, pinned): entries past a row's blocks are never read.
-        logits, _ = self.fast.decode(
+        outputs = self.fast.decode(
             self._host_ids[:count], self._host_positions[:count], self._host_tables[:count]
         )
         self._copies_done = torch.cuda.Event()
         self._copies_done.record()
         self.graph_steps += 1
-        return logits
+        return outputs
 
 
 def _hf_style_config(config: ModelConfig) -> SimpleNamespace:

@@ -93,7 +93,8 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         "(restarted on a crash; --no-ray: plain processes), shared state in Redis (--redis-url, "
         "else a private redis-server with a random password, else in memory). Prints the "
         "router address when ready, stops all cleanly on Ctrl-C/SIGTERM. Unknown flags are "
-        "passed to the router (e.g. --grace, --retry-after).",
+        "passed to the router (e.g. --grace, --retry-after, --redis-api-keys to require keys "
+        "made with `sluice keys add`).",
     )
     up.add_argument(
         "--no-ray", action="store_true", help="run engines as plain processes, not Ray actors"

@@ -260,7 +260,7 @@ class Stack:
         if self.redis_url is not None:
             # Ray engines register in Redis: the router follows the registry. Plain engine
             # processes do not register: the router keeps their static list.
-            flags += ["--redis-url", self.redis_url, "--redis-api-keys"]
+            flags += ["--redis-url", self.redis_url]
             flags += ["--engine-registry" if config.ray else "--no-engine-registry"]
         self.router = spawn_service(
             config,

@@ -164,7 +164,11 @@ async def start(
     pending_health: set[asyncio.Task] = set()
 
     def on_degraded(degraded: bool) -> None:
-        log.warning("shared state (Redis) %s", "DEGRADED" if degraded else "recovered")
+        log.log(
+            logging.WARNING if degraded else logging.INFO,
+            "shared state (Redis) %s",
+            "unreachable: serving from the last view with local limits" if degraded else "ok",
+        )
         status = (
             health_pb2.HealthCheckResponse.NOT_SERVING
             if degraded

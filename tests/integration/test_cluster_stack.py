@@ -63,7 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "--load-report-interval-s",
             "0.2",
         ),
-        router_args=ROUTER_ARGS,
+        router_args=(*ROUTER_ARGS, "--redis-api-keys"),
         startup_timeout_s=400.0,
         stop_grace_s=5.0,
         log_dir=tmp_path_factory.mktemp("ray-stack-logs"),

@@ -62,6 +62,8 @@ def test_sluice_up_serves_then_stops_everything_on_sigterm() -> None:
             "2",
             "--kv-cache-bytes",
             TINY_ENGINE_ARGS[1],
+            "--no-ray",  # plain processes: the Ray + Redis stack is test_cluster_stack.py's
+            "--no-redis",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,  # children's logs

@@ -30,7 +30,7 @@ from services.engine.outputs import (
     StepOutput,
     TokenLogprob,
 )
-from services.engine.sampler import Sampler
+from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.sequence import Sequence
@@ -83,6 +83,8 @@ class LLMEngine:
         )
         eos = tuple(int(token) for token in model_config.eos_token_ids)
         self.sampler = Sampler(eos, seed=config.seed)
+        # The all-greedy fast path, where the runner offers one (other runners: the sampler).
+        self._execute_greedy = getattr(model_runner, "execute_greedy", None)
         self.info = EngineInfo(
             model_name=str(model_config.name),
             max_model_len=max_model_len,
@@ -186,14 +188,24 @@ class LLMEngine:
             return StepOutput(deltas, self.load(), time.perf_counter() - started, 0)
         num_tokens = plan.batch.num_tokens
         try:
-            logits = self.runner.execute(plan.batch)
+            greedy = self._plain_greedy(plan.scheduled)
+            if greedy:
+                token_tensor = self._execute_greedy(plan.batch)
+            else:
+                logits = self.runner.execute(plan.batch)
             to_sample: list[Sequence] = []
             for seq, count in plan.scheduled:
                 seq.num_computed_tokens += count
                 self.block_manager.register_computed_blocks(seq)
                 if seq.num_computed_tokens == seq.num_tokens:
                     to_sample.append(seq)
-            sampled = self.sampler.sample(logits, to_sample) if to_sample else None
+            if not to_sample:
+                sampled = None
+            elif greedy:
+                tokens = token_tensor.tolist()
+                sampled = SamplerOutput(token_ids=tokens, logprobs=[None] * len(tokens))
+            else:
+                sampled = self.sampler.sample(logits, to_sample)
         except Exception as exc:  # a failed step fails its requests, never the engine
             logger.exception("forward step failed")
             for seq, _ in plan.scheduled:
@@ -212,6 +224,25 @@ class LLMEngine:
                     seq.finish_reason = reason
                 deltas.append(self._delta(seq, [token], logprob, reason))
         return StepOutput(deltas, self.load(), time.perf_counter() - started, num_tokens)
+
+    def _plain_greedy(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """Whether every scheduled sequence samples plain argmax (the sampler would do nothing
+        else): temperature 0, no logprobs, no penalties, min_tokens reached. Then the runner's
+        `execute_greedy` skips building the [rows, vocab] logits."""
+        if self._execute_greedy is None:
+            return False
+        for seq, _ in scheduled:
+            p = seq.params
+            if (
+                p.temperature != 0.0
+                or p.logprobs is not None
+                or p.repetition_penalty != 1.0
+                or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0
+                or seq.num_output_tokens < p.min_tokens
+            ):
+                return False
+        return True
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

@@ -326,3 +326,30 @@ def test_any_configuration_matches_reference_and_frees_everything(
             assert got == expected
     assert engine.block_manager.num_free_blocks == num_blocks
     assert not engine.has_unfinished()
+
+
+def test_greedy_fast_path_matches_the_sampler_path():
+    """dummy:tiny greedy outputs are the same with and without the runner's execute_greedy."""
+
+    def run(fast: bool) -> dict[str, list[int]]:
+        engine = LLMEngine(EngineConfig(model="dummy:tiny", kv_cache_bytes=4 << 20))
+        calls = []
+        if fast:
+            original = engine._execute_greedy
+            engine._execute_greedy = lambda batch: calls.append(1) or original(batch)
+        else:
+            engine._execute_greedy = None
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        engine.add_request("a", [5, 6, 7, 8], greedy)
+        engine.add_request("b", list(range(100, 130)), greedy)
+        with_min = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, ignore_eos=True)
+        engine.add_request("c", [9, 10], with_min)
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for delta in engine.step().deltas:
+                outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        assert not fast or calls  # the fast path ran once "c" passed min_tokens
+        return outputs
+
+    fast, slow = run(True), run(False)
+    assert fast == slow and all(len(tokens) == 6 for tokens in fast.values())

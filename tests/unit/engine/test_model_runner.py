@@ -140,3 +140,27 @@ def test_bfloat16_on_cpu_gives_finite_float32_logits() -> None:
 def test_unknown_backend_is_invalid() -> None:
     with pytest.raises(InvalidArgumentError, match="backend"):
         ModelRunner(resolve_model("dummy:tiny"), kv_cache_bytes=1 << 20, backend="nope")
+
+
+def test_execute_greedy_equals_argmax_of_execute(tiny_runner: ModelRunner) -> None:
+    """The all-greedy fast path picks exactly the argmax of the full logits (ties: lowest id)."""
+    allocator = BlockAllocator(tiny_runner.num_blocks, BLOCK_SIZE, seed=5)
+    generator = torch.Generator().manual_seed(11)
+    vocab = tiny_runner.model_config.vocab_size
+    prompts = {
+        seq: torch.randint(0, vocab, (length,), generator=generator).tolist()
+        for seq, length in enumerate((1, 5, 17, 40))
+    }
+    pieces = [(seq, tokens, 0, seq != 2) for seq, tokens in prompts.items()]
+    batch = step(allocator, pieces)
+    full = tiny_runner.execute(batch).argmax(dim=-1)
+    fast = tiny_runner.execute_greedy(batch)
+    assert fast.dtype == torch.int64 and fast.shape == (3,)
+    assert fast.tolist() == full.tolist()
+    model = tiny_runner.model
+    with torch.inference_mode():
+        hidden = torch.randn(9, tiny_runner.model_config.hidden_size, generator=generator)
+        hidden[0] = 0.0  # every logit ties at 0: argmax answers token 0
+        for chunk in (1000, 4096, vocab):  # a narrower last slice, even slices, one slice
+            expected = model.compute_logits(hidden).argmax(dim=-1).tolist()
+            assert model.compute_greedy(hidden, chunk=chunk).tolist() == expected

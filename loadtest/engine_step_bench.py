@@ -1,0 +1,95 @@
+"""Engine-only decode throughput: what one LLMEngine streams by itself, no gRPC.
+
+The issue-3 stack benchmark needs the engine step of `dummy:tiny` well under ~4 ms at 64
+sequences, so this drives an LLMEngine in-process with `--concurrency` closed-loop greedy
+requests (`ignore_eos`, `--max-tokens` each, refilled as they finish) for `--duration` seconds
+and prints tokens/s and the mean step time. `--profile FILE` writes a cProfile of the run.
+
+    python -m loadtest.engine_step_bench --model dummy:tiny --concurrency 64 --duration 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import random
+import time
+
+from services.engine.config import EngineConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.engine_step_bench", description=__doc__
+    )
+    parser.add_argument("--model", default="dummy:tiny", help="model (default: dummy:tiny)")
+    parser.add_argument("--concurrency", type=int, default=64, help="live requests")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds to run")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    parser.add_argument("--prompt-len", type=int, default=16, help="prompt length, tokens")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: the engine's choice)"
+    )
+    parser.add_argument("--profile", default=None, help="write a cProfile here")
+    return parser
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Drive the engine for `args.duration` seconds; tokens/s and mean step time."""
+    import torch
+
+    engine = LLMEngine(EngineConfig(model=args.model))
+    if args.threads is not None:  # after the runner, which picks 1 thread for tiny models
+        torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    vocab = engine.info.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    counter = 0
+
+    def submit() -> None:
+        nonlocal counter
+        prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
+        engine.add_request(f"r{counter}", prompt, params)
+        counter += 1
+
+    for _ in range(args.concurrency):
+        submit()
+    for _ in range(5):  # warm up
+        engine.step()
+    tokens = steps = 0
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.duration:
+        out = engine.step()
+        steps += 1
+        for item in out.deltas:
+            tokens += len(item.new_token_ids)
+            if item.finished:
+                submit()
+    elapsed = time.perf_counter() - start
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
+    return {
+        "model": args.model,
+        "concurrency": args.concurrency,
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "mean_step_ms": round(1000 * elapsed / max(steps, 1), 3),
+        "steps": steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    print(json.dumps(run(build_parser().parse_args(argv))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

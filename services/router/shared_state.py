@@ -3,9 +3,10 @@
 `SharedState.open(settings)` wires the pieces of issue 4 for one router process: the store
 (Redis, or an in-memory fallback without --redis-url), the engine registry (discovery of engines
 that join and leave), API keys kept in Redis (mirrored locally, next to --api-keys-file), per-key
-rate limits and the idempotency cache. While Redis is unreachable every piece serves from its
-last view or local fallback and `degraded` is True; `on_degraded(cb)` reports changes so the
-server can publish them on a named health service. Nothing here blocks the event loop.
+rate limits and the idempotency cache (request ids are idempotent only with a shared Redis).
+While Redis is unreachable every piece serves from its last view or local fallback and
+`degraded` is True; `on_degraded(cb)` reports changes so the server can publish them on a named
+health service. Nothing here blocks the event loop.
 """
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ class SharedState:
         self.authenticator = authenticator
         self.registry = registry
         self.rate_limiter = RateLimiter(store)
-        self.idempotency = IdempotencyCache(store, result_ttl_s=max(idempotency_ttl_s, 1.0))
+        # Request ids are idempotent only with a shared store: several routers must agree, and
+        # an in-memory record would silently differ per router.
+        self.idempotency = (
+            IdempotencyCache(store, result_ttl_s=idempotency_ttl_s) if store.shared else None
+        )
 
     @classmethod
     async def open(cls, settings: RouterSettings) -> SharedState:

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: the engine's choice)"
     )
+    parser.add_argument("--dtype", default="auto", help="engine dtype (auto = float32 on CPU)")
     parser.add_argument("--profile", default=None, help="write a cProfile here")
     return parser
 
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> dict:
     """Drive the engine for `args.duration` seconds; tokens/s and mean step time."""
     import torch
 
-    engine = LLMEngine(EngineConfig(model=args.model))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
     if args.threads is not None:  # after the runner, which picks 1 thread for tiny models
         torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
         "concurrency": args.concurrency,
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "tokens_per_s": round(tokens / elapsed, 1),
         "mean_step_ms": round(1000 * elapsed / max(steps, 1), 3),

@@ -409,6 +409,7 @@ async def run(args: argparse.Namespace) -> dict:
             model=args.model,
             port=0,
             router_args=("--log-level", "WARNING", "--metrics-port", str(metrics_port)),
+            engine_args=("--dtype", args.engine_dtype) if args.engine_dtype else (),
             log_dir=log_dir,
         )
         if args.synthetic_step_ms:
@@ -514,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--serve-synthetic-engine", type=int, metavar="PORT", help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--engine-dtype", help="the started engine's --dtype (e.g. bfloat16; default: its own)"
     )
     parser.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv)

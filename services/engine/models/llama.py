@@ -194,13 +194,13 @@ class LlamaForCausalLM(nn.Module):
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         vocab, rows = weight.shape[0], hidden.shape[0]
-        if vocab <= chunk or hidden.dtype != torch.float32:
+        if vocab <= chunk or hidden.device.type != "cpu" or hidden.dtype != weight.dtype:
             return F.linear(hidden, weight).float().argmax(dim=-1)
         slices = -(-vocab // chunk)
         size = slices * rows * chunk
         buffer = self._greedy_buffer
-        if buffer is None or buffer.numel() < size or buffer.device != hidden.device:
-            buffer = self._greedy_buffer = torch.empty(size, device=hidden.device)
+        if buffer is None or buffer.numel() < size or buffer.dtype != hidden.dtype:
+            buffer = self._greedy_buffer = torch.empty(size, dtype=hidden.dtype)
         logits = buffer[:size].view(slices, rows, chunk)
         for index in range(slices):
             start = index * chunk

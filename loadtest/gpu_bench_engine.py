@@ -39,7 +39,10 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Add the prompts, step to the end; split step times into prefill and graph decode."""
+    """Add the prompts, step to the end; split step times into prefill and graph decode.
+
+    Requests prefilled first finish first (mixed steps decode them meanwhile), so decode
+    figures come from the pure-decode steps that hold the whole batch."""
     from services.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -47,24 +50,28 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     for index, prompt in enumerate(prompts):
         engine.add_request(f"r{stamp}-{index}", prompt, params)
     runner = engine.runner
-    decode_times, prefill_time, prefill_tokens = [], 0.0, 0
+    full_batch, partial, prefill_time, prefill_tokens = [], 0, 0.0, 0
     while engine.has_unfinished():
         graphs_before = runner.graph_steps
         start = time.perf_counter()
         output = engine.step()
         elapsed = time.perf_counter() - start
         if runner.graph_steps > graphs_before:
-            decode_times.append(elapsed)
+            if output.num_batched_tokens == len(prompts):
+                full_batch.append(elapsed)
+            else:
+                partial += 1
         else:
             prefill_time += elapsed
             prefill_tokens += output.num_batched_tokens
-    steady = decode_times[2:] or decode_times
+    steady = full_batch[2:] or full_batch
     steady = sorted(steady)[: max(1, int(len(steady) * 0.9))]  # drop the slowest tenth
-    step_s = sum(steady) / len(steady)
+    step_s = sum(steady) / len(steady) if steady else float("nan")
     return {
         "batch": len(prompts),
         "prompt_tokens": len(prompts[0]),
-        "decode_steps": len(decode_times),
+        "full_batch_decode_steps": len(full_batch),
+        "partial_decode_steps": partial,
         "decode_step_ms": round(step_s * 1e3, 3),
         "decode_tok_s": round(len(prompts) / step_s, 1),
         "prefill_s": round(prefill_time, 4),
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_bench_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b", help="dummy shapes")
     parser.add_argument("--batches", default="16,64,256,512", help="decode batch sizes")
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=72, help="tokens per request")
     parser.add_argument("--out", type=Path, required=True, help="JSON written here")
     parser.add_argument(
         "--merge-into", type=Path, default=None, help="gpu_bench's JSON: add an engine_level part"
@@ -165,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
 def merge(report: dict[str, Any], path: Path) -> None:
     """Put the engine-level figures next to gpu_bench's standalone ones (headline: 8B shape)."""
     combined = json.loads(path.read_text()) if path.is_file() else {}
-    combined["engine_level"] = report
+    level = combined.setdefault("engine_level", {"shapes": {}})
+    level.update({key: value for key, value in report.items() if key != "shapes"})
+    level["shapes"].update(report["shapes"])
     headline = combined.get("headline_model", "dummy:llama-3-8b").removeprefix("dummy:")
     figures = report["shapes"].get(headline, {})
     if "bs1_ctx128" in figures:

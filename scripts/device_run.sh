@@ -34,8 +34,10 @@ if [ "${SKIP_BENCH:-0}" != "1" ]; then
 fi
 [ -f "$OUT/engine-h100.json" ] || cp loadtest/results/engine-h100.json "$OUT/engine-h100.json"
 if [ "${SKIP_ENGINE:-0}" != "1" ]; then
-  part engine "${ENGINE_TIMEOUT:-200}" python3 -m loadtest.gpu_bench_engine \
-    --out "$OUT/engine-level.json" --merge-into "$OUT/engine-h100.json"
+  for shape in ${ENGINE_SHAPES:-llama-3-8b llama-3.2-1b}; do  # one process each: free memory
+    part "engine-$shape" "${ENGINE_TIMEOUT:-150}" python3 -m loadtest.gpu_bench_engine \
+      --shapes "$shape" --out "$OUT/engine-level-$shape.json" --merge-into "$OUT/engine-h100.json"
+  done
 fi
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   part gpu-tests "${TEST_TIMEOUT:-150}" python3 -m pytest tests/gpu -q -p no:cacheprovider \

@@ -113,7 +113,11 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--port", type=int, default=50051, help="router port (default: %(default)s)")
     up.add_argument("--host", default="127.0.0.1", help="router address (default: %(default)s)")
     up.add_argument("--model", help="HF dir, .gguf file or dummy:<shape> (default: SmolLM2-135M)")
-    up.add_argument("--engines", type=int, default=1, help="engine workers (default: 1)")
+    up.add_argument(
+        "--engines",
+        type=int,
+        help="engine workers (default: with Ray one per GPU it sees, else 1; --no-ray: 1)",
+    )
     up.add_argument("--api-keys-file", help="router: file with one API key per line")
     up.add_argument("--max-queued-requests", type=int, help="router: queue bound (requests)")
     up.add_argument("--max-queued-tokens", type=int, help="router: queue bound (prompt tokens)")
@@ -162,7 +166,7 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
             model=namespace.model,
             host=namespace.host,
             port=namespace.port,
-            engines=namespace.engines,
+            engines=1 if namespace.engines is None else namespace.engines,
             router_args=(*router_args, *extra_router_args),
             engine_args=(*engine_args, *shlex.split(namespace.engine_args)),
             startup_timeout_s=namespace.startup_timeout,
@@ -198,6 +202,7 @@ def _ray_config(namespace: argparse.Namespace) -> object | None:
     from services.ray_cluster import RayClusterConfig
 
     return RayClusterConfig(
+        engines=namespace.engines,
         ray_address=namespace.ray_address,
         ray_dashboard=namespace.ray_dashboard,
         engine_max_restarts=namespace.engine_max_restarts,

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -275,9 +275,8 @@ class Stack:
     def _start_ray_engines(self, model: ModelSpec) -> None:
         from services.ray_cluster import RayClusterConfig, start_ray_engines
 
-        ray_config = replace(
-            self.config.ray_cluster or RayClusterConfig(), engines=self.config.engines
-        )
+        # Given Ray flags decide the engine count (None there: one per GPU, else 1 on CPU).
+        ray_config = self.config.ray_cluster or RayClusterConfig(engines=self.config.engines)
         self.ray_cluster = start_ray_engines(
             ["--host", LOOPBACK, *model.flags(), *self.config.engine_args],
             redis_url=self.redis_url,

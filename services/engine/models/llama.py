@@ -27,6 +27,10 @@ from services.engine.models.config import ModelConfig
 # HF name fragment → (fused parameter fragment, shard index)
 # Vocabulary slice of the greedy LM head: [rows, 2048] float32 logits stay in L2 cache.
 GREEDY_CHUNK = 2048
+# Sliced only for narrow models: there writing [rows, vocab] logits dominates the LM head; wider
+# ones are compute-bound and one large matmul (split over threads) is faster (measured: SmolLM2's
+# 576 is 2-4x slower sliced on 2 threads).
+GREEDY_SLICED_MAX_HIDDEN = 256
 
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -194,7 +198,12 @@ class LlamaForCausalLM(nn.Module):
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         vocab, rows = weight.shape[0], hidden.shape[0]
-        if vocab <= chunk or hidden.device.type != "cpu" or hidden.dtype != weight.dtype:
+        if (
+            vocab <= chunk
+            or hidden.shape[1] > GREEDY_SLICED_MAX_HIDDEN
+            or hidden.device.type != "cpu"
+            or hidden.dtype != weight.dtype
+        ):
             return F.linear(hidden, weight).float().argmax(dim=-1)
         slices = -(-vocab // chunk)
         size = slices * rows * chunk

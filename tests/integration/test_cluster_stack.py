@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from services.cli import dispatch
 from services.common.redis_server import find_redis_server
 from services.common.redis_store import StoreConfig, open_store
 from services.engine.server import ACCEPTED_REQUESTS_TRAILER
@@ -168,7 +169,10 @@ def _shared_state_health(address: str) -> int:
 
 
 def test_keys_and_a_limit_of_n_requests_shared_by_two_routers(
-    stack: Stack, second_router: list[ChildProcess], open_key: str
+    stack: Stack,
+    second_router: list[ChildProcess],
+    open_key: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     routers = [stack.router_address, second_router[0].address]
     with pytest.raises(grpc.RpcError) as missing:
@@ -179,7 +183,10 @@ def test_keys_and_a_limit_of_n_requests_shared_by_two_routers(
     assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
     limit = 3
-    limited_key = _add_key(stack, "limited", RateLimits(requests_per_minute=limit))
+    # `sluice keys add` as an operator runs it; the key is printed once, last.
+    argv = ["keys", "add", "--name", "limited", "--requests-per-minute", str(limit)]
+    assert dispatch([*argv, "--redis-url", stack.redis_url]) == 0
+    limited_key = capsys.readouterr().out.strip().splitlines()[-1]
     time.sleep(2.5)
     admitted, refused = 0, []
     for attempt in range(2 * limit + 2):

@@ -99,11 +99,8 @@ class RouterConfig:
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None = None) -> RouterConfig:
-        parser = argparse.ArgumentParser(
-            prog="sluice serve router", description="The public Sluice router service."
-        )
-        add_arguments(parser, cls)
-        return from_layers(cls, parser.parse_args(argv))
+        """The router part of `RouterSettings.from_argv` (store flags are accepted too)."""
+        return RouterSettings.from_argv(argv).router
 
 
 @dataclass(frozen=True)

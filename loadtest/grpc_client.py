@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -44,6 +45,9 @@ class GrpcClient:
         self._channel_count = max(1, channels)
         self._timeout_s = timeout_s
         self._temperature = temperature
+        # Request ids are idempotency keys on a Redis-backed router: unique per run, so a
+        # second run never replays (or conflicts with) the first one's stored results.
+        self._run_id = uuid.uuid4().hex[:12]
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: itertools.cycle | None = None
@@ -76,7 +80,7 @@ class GrpcClient:
             max_tokens=spec.output_tokens, ignore_eos=True, temperature=self._temperature
         )
         request = router_pb2.GenerateRequest(
-            params=params, adapter=spec.adapter, request_id=f"bench-{spec.index}"
+            params=params, adapter=spec.adapter, request_id=f"bench-{self._run_id}-{spec.index}"
         )
         if spec.prompt_token_ids is not None:
             request.prompt_token_ids.ids.extend(spec.prompt_token_ids)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.processes import die_with_parent
 from services.common.redis_server import LocalRedisServer, redis_for_stack
 
 if TYPE_CHECKING:  # Ray and the engine worker load only when Ray engines are asked for
@@ -165,7 +166,7 @@ def spawn_service(
         start_new_session=True,
         # Linux ties the death signal to the spawning *thread*: only arm it from the main
         # thread, or children would die when a worker thread that started them exits.
-        preexec_fn=_die_with_parent
+        preexec_fn=die_with_parent
         if threading.current_thread() is threading.main_thread()
         else None,
     )
@@ -396,17 +397,3 @@ def terminate(children: Sequence[ChildProcess], grace_s: float) -> None:
 def _tail_note(child: ChildProcess) -> str:
     tail = child.log_tail()
     return f"\n--- last lines of {child.log_path} ---\n{tail}" if tail else ""
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM the child if the launcher dies without stopping it."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except OSError:
-        pass

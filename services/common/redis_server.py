@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.errors import FailedPreconditionError, UnavailableError
+from services.common.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ def start_redis_server(
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,  # never outlive a launcher killed with SIGKILL
         start_new_session=True,
     )
     server = LocalRedisServer(

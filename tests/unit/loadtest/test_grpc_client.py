@@ -22,12 +22,14 @@ def test_request_carries_token_ids_length_and_adapter() -> None:
     assert request.params.ignore_eos is True
     assert request.params.temperature == 0.0
     assert request.adapter == "sql"
-    assert request.request_id == "bench-7"
+    assert request.request_id.startswith("bench-") and request.request_id.endswith("-7")
     text = client.build_request(
         RequestSpec(index=0, input_tokens=1, output_tokens=1, prompt_text="hi")
     )
     assert text.WhichOneof("input") == "prompt"
     assert text.prompt == "hi"
+    other_run = GrpcClient("127.0.0.1:9", channels=1).build_request(spec)
+    assert other_run.request_id != request.request_id  # ids are idempotency keys: per run
 
 
 def test_unreachable_router_is_recorded_unavailable() -> None:

@@ -351,7 +351,10 @@ def test_api_keys(tmp_path: Path) -> None:
 def test_drain_finishes_in_flight_and_refuses_new() -> None:
     async def check(stack: Stack) -> None:
         running = asyncio.ensure_future(stack.collect(text_request(max_tokens=30)))
-        await asyncio.sleep(0.02)
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while not stack.core.running and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)  # wait until the request is on the engine, not a guess
+        assert stack.core.running, "the first request never reached the engine"
         drain = asyncio.ensure_future(stack.core.drain(5.0))
         await asyncio.sleep(0.01)
         with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.engine_step_bench", description=__doc__
     )
-    parser.add_argument("--model", default="dummy:tiny", help="model (default: dummy:tiny)")
+    parser.add_argument(
+        "--model", default="dummy:tiny", help='model (default: dummy:tiny; "" = the default model)'
+    )
     parser.add_argument("--concurrency", type=int, default=64, help="live requests")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds to run")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> dict:
     """Drive the engine for `args.duration` seconds; tokens/s and mean step time."""
     import torch
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    engine = LLMEngine(EngineConfig(model=args.model or None, dtype=args.dtype))
     if args.threads is not None:  # after the runner, which picks 1 thread for tiny models
         torch.set_num_threads(args.threads)
     rng = random.Random(0)

@@ -65,7 +65,9 @@ class SamplingParams:
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=2**63 - 1)
-        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True)
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True
+        )
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -33,4 +33,6 @@ def test_every_field_and_enum_is_documented() -> None:
         for enum_body in re.findall(r"enum (\w+) \{(.*?)\}", proto.read_text(), re.S):
             name, body = enum_body
             first = re.search(r"(\w+) = 0;", body)
-            assert first and first.group(1).endswith("_UNSPECIFIED"), f"{name} must start at *_UNSPECIFIED"
+            assert first and first.group(1).endswith("_UNSPECIFIED"), (
+                f"{name} must start at *_UNSPECIFIED"
+            )

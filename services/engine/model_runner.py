@@ -53,7 +53,7 @@ class ModelRunner:
             raise InvalidArgumentError("device 'cuda' requested but CUDA is not available")
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.block_size = block_size
-        self.model_config = _load_config(model_files, max_model_len)
+        self.model_config = load_model_config(model_files, max_model_len)
         config = self.model_config
         if self.device.type == "cpu" and config.hidden_size <= SINGLE_THREAD_MAX_HIDDEN:
             # A tiny model's ops are too small to split: extra threads only spin and contend
@@ -194,7 +194,8 @@ class ModelRunner:
         return input_ids, position_tensor, metadata
 
 
-def _load_config(files: ModelFiles, max_model_len: int | None) -> ModelConfig:
+def load_model_config(files: ModelFiles, max_model_len: int | None) -> ModelConfig:
+    """The model's ModelConfig from config.json or its dummy shape (cheap: no weights)."""
     if files.weights_dir is None:
         if files.dummy_shape is None:
             raise InvalidArgumentError(f"model {files.name!r} has neither weights nor a shape")

@@ -59,22 +59,6 @@ def _why_not_fast(config: EngineConfig, model_files: ModelFiles, device: str) ->
     if not torch.cuda.is_available():
         return "CUDA is not available"
     from services.engine.cuda_runner import fast_path_unsupported
+    from services.engine.model_runner import load_model_config
 
-    return fast_path_unsupported(_model_config(model_files, config.max_model_len))
-
-
-def _model_config(files: ModelFiles, max_model_len: int | None):
-    """The model's ModelConfig, read the way ModelRunner reads it (cheap: no weights)."""
-    from services.common.errors import InvalidArgumentError
-    from services.engine.loader.dummy_shapes import dummy_config
-    from services.engine.models.config import ModelConfig
-
-    if files.weights_dir is None:
-        if files.dummy_shape is None:
-            raise InvalidArgumentError(f"model {files.name!r} has neither weights nor a shape")
-        return ModelConfig.from_dict(
-            dummy_config(files.dummy_shape), name=files.name, max_model_len=max_model_len
-        )
-    return ModelConfig.from_directory(
-        files.weights_dir, name=files.name, max_model_len=max_model_len
-    )
+    return fast_path_unsupported(load_model_config(model_files, config.max_model_len))

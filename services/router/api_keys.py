@@ -15,8 +15,6 @@ with UNAVAILABLE (they can't be checked) rather than let through.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
 import json
@@ -34,6 +32,7 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.redis_store import SharedStore, StoreUnavailableError
+from services.common.refresher import PeriodicRefresh
 from services.router.rate_limit import RateLimits
 
 log = logging.getLogger(__name__)
@@ -213,7 +212,7 @@ class MirroredKeyAuthenticator:
         self.keys = keys
         self.refresh_s = refresh_s
         self._records: dict[str, ApiKeyRecord] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._refresher: PeriodicRefresh | None = None
         self.degraded = False
 
     async def refresh(self) -> None:
@@ -228,26 +227,13 @@ class MirroredKeyAuthenticator:
         self._records = {digest: ApiKeyRecord.from_json(raw) for digest, raw in entries.items()}
 
     async def start(self) -> None:
-        with contextlib.suppress(StoreUnavailableError):
-            await self.refresh()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_s)
-            try:
-                await self.refresh()
-            except StoreUnavailableError:
-                continue
-            except Exception:  # noqa: BLE001 - keep the mirror alive
-                log.exception("API key mirror refresh failed")
+        self._refresher = PeriodicRefresh(self.refresh, self.refresh_s, "API key mirror refresh")
+        await self._refresher.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        if self._refresher is not None:
+            await self._refresher.stop()
+            self._refresher = None
 
     def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> ApiKeyRecord:
         """The caller's key record; UnauthenticatedError if missing or unknown."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidArgumentError
 from services.common.redis_store import SharedStore, StoreUnavailableError
+from services.common.refresher import PeriodicRefresh
 from services.engine.registration import ENGINE_KEY_PREFIX, EngineRecord
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class EngineRegistry:
         self.poll_interval_s = poll_interval_s
         self._engines: dict[str, EngineRecord] = {}
         self._listeners: list[Listener] = []
-        self._task: asyncio.Task[None] | None = None
+        self._refresher: PeriodicRefresh | None = None
         self._degraded = False
         self.last_success: float | None = None
         self.changed = asyncio.Event()
@@ -141,19 +142,8 @@ class EngineRegistry:
 
     async def start(self) -> None:
         """Poll once (best effort), then keep polling in the background."""
-        with contextlib.suppress(StoreUnavailableError):
-            await self.poll()
-        self._task = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_interval_s)
-            try:
-                await self.poll()
-            except StoreUnavailableError:
-                continue
-            except Exception:  # noqa: BLE001 - keep watching whatever happens
-                log.exception("engine registry poll failed")
+        self._refresher = PeriodicRefresh(self.poll, self.poll_interval_s, "engine registry poll")
+        await self._refresher.start()
 
     async def wait_until(
         self, predicate: Callable[[dict[str, EngineRecord]], bool], timeout_s: float
@@ -170,11 +160,9 @@ class EngineRegistry:
         return True
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        if self._refresher is not None:
+            await self._refresher.stop()
+            self._refresher = None
 
 
 class RegistryDiscovery:

@@ -16,12 +16,15 @@ Child logs go to a temporary directory; a start-up failure shows the failing chi
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from services.common.redis_server import LocalRedisServer, start_redis_server
 from services.launcher import Stack, StackConfig
 
 # 128 MiB of float32 KV for SmolLM2-135M is ~180 blocks of 16 tokens: small, but room for
@@ -82,3 +85,13 @@ def stack_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     finally:
         for private in reversed(started):
             private.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[LocalRedisServer]:
+    """A private redis-server per test module; resumed (SIGCONT) before stopping, in case a test
+    paused it to simulate an outage."""
+    server = start_redis_server()
+    yield server
+    os.kill(server.pid, signal.SIGCONT)
+    server.stop()

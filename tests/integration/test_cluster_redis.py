@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,14 +34,6 @@ from services.router.rate_limit import RateLimiter, RateLimits
 from services.router.registry import EngineRegistry
 
 pytestmark = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[LocalRedisServer]:
-    server = start_redis_server()
-    yield server
-    os.kill(server.pid, signal.SIGCONT)
-    server.stop()
 
 
 def _store(server: LocalRedisServer, timeout_s: float = 0.3) -> RedisStore:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,21 +15,13 @@ from services.common.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from services.common.redis_server import LocalRedisServer, find_redis_server, start_redis_server
+from services.common.redis_server import LocalRedisServer, find_redis_server
 from services.common.redis_store import RedisStore, StoreConfig, open_store
 from services.router.api_keys import ApiKeyConfig, ApiKeyStore
 from services.router.idempotency import ClaimKind, IdempotencyCache, payload_hash
 from services.router.rate_limit import RateLimits
 
 pytestmark = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[LocalRedisServer]:
-    server = start_redis_server()
-    yield server
-    os.kill(server.pid, signal.SIGCONT)
-    server.stop()
 
 
 def _store(server: LocalRedisServer) -> RedisStore:

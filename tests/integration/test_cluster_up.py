@@ -9,14 +9,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from services.client import SluiceClient
 from services.common.redis_server import find_redis_server
-from services.launcher import free_port
-from tests.integration.test_stack_up import child_pids, pid_alive
+from tests.integration.processes import cmdline, descendants, start_sluice_up, wait_until_gone
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,50 +23,14 @@ pytestmark = [
 ]
 
 
-def _descendants(pid: int) -> list[int]:
-    found, pending = [], [pid]
-    while pending:
-        children = child_pids(pending.pop())
-        found += children
-        pending += children
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def test_sluice_up_with_ray_and_redis_serves_then_stops_everything() -> None:
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--port",
-            str(port),
-            "--model",
-            "dummy:tiny",
-            "--engines",
-            "2",
-            "--kv-cache-bytes",
-            str(8 * 1024 * 1024),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    descendants: list[int] = []
+    process, port = start_sluice_up()
+    started: list[int] = []
     try:
         ready = process.stdout.readline()
         assert ready.strip() == f"Sluice router ready at 127.0.0.1:{port}"
-        descendants = _descendants(process.pid)
-        commands = [_cmdline(pid) for pid in descendants]
+        started = descendants(process.pid)
+        commands = [cmdline(pid) for pid in started]
         assert any("redis-server" in command for command in commands)
         assert any("raylet" in command for command in commands)
         assert any("--redis-url" in command and "router" in command for command in commands)
@@ -77,10 +39,7 @@ def test_sluice_up_with_ray_and_redis_serves_then_stops_everything() -> None:
         assert completion.completion_tokens == 5
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=90) == 0
-        deadline = time.monotonic() + 20
-        while any(pid_alive(pid) for pid in descendants) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [_cmdline(pid) for pid in descendants if pid_alive(pid)]
+        assert not [cmdline(pid) for pid in wait_until_gone(started, timeout_s=20)]
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)

@@ -15,59 +15,18 @@ from pathlib import Path
 import pytest
 
 from services.client import SluiceClient
-from services.launcher import Stack, free_port
+from services.launcher import Stack
+from tests.integration.processes import child_pids, start_sluice_up, wait_until_gone
 
 TINY_ENGINE_ARGS = ("--kv-cache-bytes", str(8 * 1024 * 1024))
-
-
-def child_pids(parent: int) -> list[int]:
-    """Direct children of `parent`, read from /proc (Linux)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == parent:
-            pids.append(int(entry.name))
-    return pids
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sluice_up_serves_then_stops_everything_on_sigterm() -> None:
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--port",
-            str(port),
-            "--model",
-            "dummy:tiny",
-            "--engines",
-            "2",
-            "--kv-cache-bytes",
-            TINY_ENGINE_ARGS[1],
-            "--no-ray",  # plain processes: the Ray + Redis stack is test_cluster_stack.py's
-            "--no-redis",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,  # children's logs
-        text=True,
+    process, port = start_sluice_up(
+        "--no-ray",  # plain processes: the Ray + Redis stack is test_cluster_stack.py's
+        "--no-redis",
     )
     try:
         ready = process.stdout.readline()  # blocks until ready (or the launcher exits)
@@ -81,10 +40,7 @@ def test_sluice_up_serves_then_stops_everything_on_sigterm() -> None:
         assert models[0].name == "dummy:tiny"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-        deadline = time.monotonic() + 10
-        while any(pid_alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(pid_alive(pid) for pid in children)
+        assert not wait_until_gone(children, timeout_s=10)
     finally:
         if process.poll() is None:
             process.kill()

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels.paged_kv import load_kv_tile
+
 _LOG2E = 1.4426950408889634
 
 
@@ -61,15 +63,20 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        blocks = tl.load(
-            block_tables_ptr + seq * block_table_stride + tokens // BLOCK_SIZE,
-            mask=token_mask,
-            other=0,
-        ).to(tl.int64)
-        slots = blocks * BLOCK_SIZE + tokens % BLOCK_SIZE
-        offsets = slots[:, None] * slot_stride + kv_head * HEAD_DIM + dims[None, :]
-        k = tl.load(key_cache_ptr + offsets, mask=token_mask[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + offsets, mask=token_mask[:, None], other=0.0)
+        k, v = load_kv_tile(
+            key_cache_ptr,
+            value_cache_ptr,
+            block_tables_ptr,
+            seq,
+            block_table_stride,
+            kv_head,
+            slot_stride,
+            tokens,
+            token_mask,
+            dims,
+            HEAD_DIM,
+            BLOCK_SIZE,
+        )
         scores = tl.dot(q, tl.trans(k)) * scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         new_max = tl.maximum(max_score, tl.max(scores, axis=1))

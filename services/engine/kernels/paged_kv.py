@@ -1,0 +1,38 @@
+"""The paged-KV tile load shared by the decode and prefill attention kernels.
+
+A tile is BLOCK_N consecutive token positions of one sequence; each position is found through
+the sequence's block table (slot = block * BLOCK_SIZE + offset) in caches laid out
+[num_blocks, block_size, num_kv_heads, head_dim]. Positions past `token_mask` read zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq,
+    block_table_stride,
+    kv_head,
+    slot_stride,
+    tokens,
+    token_mask,
+    dims,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    blocks = tl.load(
+        block_tables_ptr + seq * block_table_stride + tokens // BLOCK_SIZE,
+        mask=token_mask,
+        other=0,
+    ).to(tl.int64)
+    slots = blocks * BLOCK_SIZE + tokens % BLOCK_SIZE
+    offsets = slots[:, None] * slot_stride + kv_head * HEAD_DIM + dims[None, :]
+    k = tl.load(key_cache_ptr + offsets, mask=token_mask[:, None], other=0.0)
+    v = tl.load(value_cache_ptr + offsets, mask=token_mask[:, None], other=0.0)
+    return k, v

@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: the engine's choice)"
     )
-    parser.add_argument("--dtype", default="auto", help="engine dtype (auto = float32 on CPU)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="engine dtype (auto = bfloat16 on CUDA and on CPUs with native bf16, else float32)",
+    )
     parser.add_argument("--profile", default=None, help="write a cProfile here")
     return parser
 

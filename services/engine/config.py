@@ -24,7 +24,11 @@ class EngineConfig:
     )
     backend: str = field("torch", help="forward backend (torch; cuda/tensorrt where built)")
     device: str = field("auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
-    dtype: str = field("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16...")
+    dtype: str = field(
+        "auto",
+        help="auto (bfloat16 on CUDA and on CPUs with native bf16 matmul: AVX512-BF16 or AMX; "
+        "else float32), float32, float16, bfloat16",
+    )
     block_size: int = field(16, help="tokens per KV cache block")
     kv_cache_bytes: int | None = field(
         None, help="bytes of KV cache (default: the model runner's choice for the device)"

@@ -8,7 +8,7 @@ import torch
 from services.common.errors import InvalidArgumentError
 from services.common.model_files import resolve_model
 from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
-from services.engine.model_runner import ModelRunner
+from services.engine.model_runner import ModelRunner, cpu_has_native_bfloat16, default_dtype
 from tests.unit.engine.models.helpers import BlockAllocator, step
 
 BLOCK_SIZE = 16
@@ -16,12 +16,21 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def default_runner() -> ModelRunner:
-    return ModelRunner(resolve_model(None), block_size=BLOCK_SIZE, kv_cache_bytes=64 << 20)
+    # float32 pinned: compared with transformers in float32.
+    return ModelRunner(
+        resolve_model(None), dtype=torch.float32, block_size=BLOCK_SIZE, kv_cache_bytes=64 << 20
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_runner() -> ModelRunner:
-    return ModelRunner(resolve_model("dummy:tiny"), block_size=BLOCK_SIZE, kv_cache_bytes=4 << 20)
+    # float32 pinned: batched and single rows are compared at 1e-5.
+    return ModelRunner(
+        resolve_model("dummy:tiny"),
+        dtype=torch.float32,
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=4 << 20,
+    )
 
 
 @pytest.mark.slow
@@ -125,7 +134,19 @@ def test_bad_batches_are_refused(
 def test_max_model_len_caps_context() -> None:
     runner = ModelRunner(resolve_model("dummy:tiny"), kv_cache_bytes=1 << 20, max_model_len=64)
     assert runner.model_config.max_model_len == 64
-    assert runner.dtype == torch.float32 and runner.device.type == "cpu"
+    assert runner.dtype == default_dtype("cpu") and runner.device.type == "cpu"
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_native_bf16(monkeypatch) -> None:
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert cpu_has_native_bfloat16() == native
+    assert default_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
+    assert default_dtype("cuda") == torch.bfloat16
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False)
+    assert default_dtype("cpu") == torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert default_dtype(torch.device("cpu")) == torch.bfloat16
 
 
 def test_bfloat16_on_cpu_gives_finite_float32_logits() -> None:

@@ -47,7 +47,9 @@ def test_logits_match_transformers(case: str, tmp_path: Path) -> None:
     family, overrides = FAMILIES[case]
     reference = save_random_model(hf_config(family, **overrides), tmp_path)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1  # really sharded
-    runner = ModelRunner(files_for(tmp_path), block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20)
+    runner = ModelRunner(
+        files_for(tmp_path), dtype=torch.float32, block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20
+    )
     assert runner.model_config.architecture == reference.config.architectures[0]
     allocator = BlockAllocator(runner.num_blocks, BLOCK_SIZE)
     generator = torch.Generator().manual_seed(1)

@@ -6,9 +6,16 @@ the same number of tokens) and (b) prefill alone (one generated token), once wit
 engine and once with transformers' batched greedy `generate` (left padding), in the same process.
 It prints a table with the ratios and can write JSON (`--out`).
 
+Fair to both sides: both run in the same dtype (`--dtype`; auto = the engine's own choice, e.g.
+bfloat16 on a CPU with native bf16, and transformers is loaded in that torch dtype), and before
+every timed run each side makes `--warmup-runs` untimed runs of the very same work (oneDNN builds
+a kernel per new matmul shape on first use, ~1-2 ms each: a cold run measures that, not the
+steady state). With `--repeats N` each side's figure is its best of N timed runs.
+
 `--device cuda` hands over to `loadtest.gpu_bench.main` (the GPU benchmark).
 
-    python -m loadtest.engine_bench [--batch-sizes 1,8,32] [--max-tokens 32] [--out FILE.json]
+    python -m loadtest.engine_bench [--batch-sizes 1,8,32] [--max-tokens 32] [--dtype auto]
+        [--warmup-runs 1] [--repeats 1] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -59,6 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-prompt", type=int, default=16, help="shortest prompt, tokens")
     parser.add_argument("--max-prompt", type=int, default=192, help="longest prompt, tokens")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="dtype of BOTH sides (auto = the engine's choice: bfloat16 on CPUs with native "
+        "bf16 matmul, else float32; transformers is loaded in the same dtype)",
+    )
+    parser.add_argument(
+        "--warmup-runs",
+        type=int,
+        default=1,
+        help="untimed runs of the same prompts by each side before each timed run",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timed runs per side; the best (fastest) counts"
+    )
     parser.add_argument("--skip-transformers", action="store_true", help="time only Sluice")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths/tokens")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -121,37 +144,60 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     batch_sizes = [int(item) for item in args.batch_sizes.split(",") if item.strip()]
-    llm = LLM(model=args.model, device="cpu", max_num_seqs=max(256, max(batch_sizes)))
+    if args.warmup_runs < 0 or args.repeats < 1:
+        raise SystemExit("error: --warmup-runs must be >= 0 and --repeats >= 1")
+    llm = LLM(
+        model=args.model,
+        device="cpu",
+        dtype=args.dtype,
+        max_num_seqs=max(256, max(batch_sizes)),
+    )
+    dtype_name = llm.engine.info.dtype  # what "auto" resolved to
     vocab = llm.engine.info.vocab_size
     model = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
         files = llm.engine.model_files
-        model = AutoModelForCausalLM.from_pretrained(str(files.weights_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(files.weights_dir), dtype=getattr(torch, dtype_name)
+        )
         model.eval()
     pad = llm.engine.info.eos_token_ids[0] if llm.engine.info.eos_token_ids else 0
+    print(
+        f"dtype: {dtype_name} (both sides); warmup: {args.warmup_runs} untimed run(s) of the "
+        f"same work per side before each timed one; best of {args.repeats} timed run(s)",
+        flush=True,
+    )
 
-    warmup = make_prompts(2, 8, 24, vocab, args.seed + 999)
-    time_sluice(llm, warmup, 4)
-    if model is not None:
-        time_transformers(model, warmup[:1], 4, pad)
+    def sluice_once(prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        # A fresh prefix cache each time, so Sluice computes every prompt token.
+        llm.engine.block_manager.reset_prefix_cache()
+        return time_sluice(llm, prompts, max_tokens)
 
     rows: list[Row] = []
     for batch_size in batch_sizes:
         prompts = make_prompts(batch_size, args.min_prompt, args.max_prompt, vocab, args.seed)
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         for phase, max_tokens in (("generate", args.max_tokens), ("prefill", 1)):
-            # A fresh prefix cache each time, so Sluice computes every prompt token.
-            llm.engine.block_manager.reset_prefix_cache()
-            sluice_s, generated = time_sluice(llm, prompts, max_tokens)
-            reference_s = (
-                time_transformers(model, prompts, max_tokens, pad) if model is not None else 0.0
-            )
+            for _ in range(args.warmup_runs):
+                sluice_once(prompts, max_tokens)
+            timed = [sluice_once(prompts, max_tokens) for _ in range(args.repeats)]
+            sluice_s, generated = min(timed)
+            reference_s = 0.0
+            if model is not None:
+                for _ in range(args.warmup_runs):
+                    time_transformers(model, prompts, max_tokens, pad)
+                reference_s = min(
+                    time_transformers(model, prompts, max_tokens, pad) for _ in range(args.repeats)
+                )
             rows.append(Row(batch_size, phase, prompt_tokens, generated, sluice_s, reference_s))
             print(format_row(rows[-1]), flush=True)
     return {
         "device": f"cpu: {cpu_name()} ({torch.get_num_threads()} threads)",
+        "dtype": dtype_name,
+        "warmup_runs": args.warmup_runs,
+        "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python -m loadtest.engine_bench " + " ".join(sys.argv[1:]),
         "model": llm.engine.info.model_name,

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 import loadtest.engine_bench as bench
+from services.engine.model_runner import default_dtype
 
 
 def test_prompts_have_mixed_lengths_within_bounds():
@@ -37,3 +42,28 @@ def test_cuda_is_handed_to_the_gpu_benchmark(monkeypatch):
 def test_unknown_device_is_an_error(capsys):
     assert bench.main(["--device", "tpu"]) == 2
     assert "--device" in capsys.readouterr().err
+
+
+def test_dtype_warmup_and_repeats_reach_the_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--model", "dummy:tiny", "--skip-transformers", "--batch-sizes", "2"]
+    argv += ["--max-tokens", "3", "--dtype", "float32", "--repeats", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "float32"
+    assert result["warmup_runs"] == 1 and result["repeats"] == 2
+    assert [(row["phase"], row["generated_tokens"]) for row in result["rows"]] == [
+        ("generate", 6),
+        ("prefill", 2),
+    ]
+    assert "dtype: float32 (both sides)" in capsys.readouterr().out
+
+
+def test_auto_dtype_is_the_engines_choice_and_bad_dtype_is_refused(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--model", "dummy:tiny", "--skip-transformers", "--batch-sizes", "1"]
+    assert bench.main([*argv, "--max-tokens", "2", "--out", str(out)]) == 0
+    expected = str(default_dtype("cpu")).removeprefix("torch.")
+    assert json.loads(out.read_text())["dtype"] == expected
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--dtype", "int8"])

@@ -97,6 +97,7 @@ def _headline(report: dict[str, Any]) -> None:
     keys = {
         "decode_bs1_ms": "decode_bs1_ms",
         "decode_bs1_floor_ratio": "decode_bs1_floor_ratio",
+        "decode_bs1_floor_ratio_read_bytes": "decode_bs1_floor_ratio_read_bytes",
         "decode_tok_s_bs64": "decode_tok_s_bs64",
         "decode_tok_s_best": "decode_tok_s_best",
         "prefill_tok_s": "prefill_tok_s",
@@ -112,7 +113,8 @@ def _print_table(report: dict[str, Any]) -> None:
     print(f"device: {report['device']}  ceilings: {report.get('ceilings')}")
     columns = [
         "max_rel_error_vs_fp32", "decode_bs1_ms", "decode_bs1_ctx2048_ms", "decode_bs1_floor_ms",
-        "decode_bs1_floor_ratio", "decode_tok_s_bs16", "decode_tok_s_bs64", "decode_tok_s_bs256",
+        "decode_bs1_floor_ratio", "decode_bs1_floor_ratio_read_bytes", "decode_tok_s_bs16",
+        "decode_tok_s_bs64", "decode_tok_s_bs256",
         "decode_tok_s_best", "decode_best_batch", "prefill_tok_s", "prefill_matmul_fraction",
         "transformers_bs1_ms", "speedup_vs_transformers_bs1",
     ]  # fmt: skip

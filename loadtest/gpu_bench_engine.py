@@ -180,9 +180,13 @@ def merge(report: dict[str, Any], path: Path) -> None:
     if "bs1_ctx128" in figures:
         step_ms = figures["bs1_ctx128"]["decode_step_ms"]
         combined["engine_decode_bs1_ms"] = step_ms
-        floor = combined.get("models", {}).get(headline, {}).get("decode_bs1_floor_ms")
+        standalone = combined.get("models", {}).get(headline, {})
+        floor = standalone.get("decode_bs1_floor_ms")
         if floor:
             combined["engine_decode_bs1_floor_ratio"] = round(step_ms / floor, 3)
+        read_floor = standalone.get("decode_bs1_floor_read_bytes_ms")
+        if read_floor:
+            combined["engine_decode_bs1_floor_ratio_read_bytes"] = round(step_ms / read_floor, 3)
         batches = {k: v for k, v in figures.items() if k.startswith("batch")}
         if "batch64_ctx512" in batches:
             combined["engine_decode_tok_s_bs64"] = batches["batch64_ctx512"]["decode_tok_s"]

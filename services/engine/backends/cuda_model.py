@@ -74,6 +74,14 @@ class ModelWeights:
                 total += tensor.numel() * tensor.element_size()
         return total
 
+    def parameter_bytes(self) -> int:
+        """Bytes of every parameter, the embedding table included (the issue's floor counts
+        these; a tied lm_head counts once)."""
+        total = self.decode_bytes()
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            total += self.embed.numel() * self.embed.element_size()
+        return total
+
 
 def rotary_tables(config, max_position: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """cos/sin [max_position, head_dim // 2] float32 with the model's own rope scaling."""
@@ -136,7 +144,7 @@ class CudaLlama:
             max(graph_buckets), max_blocks_per_seq, weights.lm_head.shape[0], self.device
         )
         self.graphs = DecodeCudaGraphs(self._graph_step, graph_buckets)
-        self.skinny_choices: dict[tuple[str, int], tuple[int, int, int, int]] = {}
+        self.skinny_choices: dict[tuple[str, int], tuple] = {}
 
     def tune_skinny_matmuls(self, row_counts: tuple[int, ...] = (1, 2, 4, 8)) -> None:
         """Per projection and small row count, use the Triton skinny matmul where it measures

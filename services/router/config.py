@@ -59,6 +59,11 @@ class RouterConfig:
         600.0, help="seconds a finished request's result is kept for a retry with its request_id"
     )
     tokenize_timeout: float = field(10.0, help="seconds a Tokenize call may take")
+    stream_interval: int = field(
+        1,
+        help="tokens a streamed response gathers before it is sent (the first token and the "
+        "end go at once); above 1, fewer messages per token for burstier streaming",
+    )
     reconnect_min_backoff: float = field(0.1, help="first reconnect delay to a lost service, s")
     reconnect_max_backoff: float = field(5.0, help="longest reconnect delay to a lost service, s")
     metrics_port: int | None = field(None, help="serve Prometheus /metrics on this port")
@@ -78,6 +83,7 @@ class RouterConfig:
             _check_address(address)
         _positive_int("max_queued_requests", self.max_queued_requests)
         _positive_int("max_queued_tokens", self.max_queued_tokens)
+        _positive_int("stream_interval", self.stream_interval)
         if self.max_inflight_per_engine < 0:
             raise InvalidArgumentError("max_inflight_per_engine must be >= 0")
         for name in ("retry_after", "grace", "tokenize_timeout"):

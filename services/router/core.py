@@ -189,6 +189,7 @@ class RouterCore:
             priority=message.priority,
             deadline=deadline,
             arrival=arrival,
+            stream_interval=self.config.stream_interval,
         )
         if request.expired():
             raise DeadlineExceededError("the deadline passed before the request was queued")

@@ -7,6 +7,10 @@ detokenizer push into it from their reader tasks, so no servicer ever waits on a
 
 The channel is a list plus one future (cheaper than asyncio.Queue on the per-token path). When
 the client reads slower than engine steps arrive, pending pieces are merged into one response.
+With a `stream_interval` of N > 1 (the router's `--stream-interval`, as in vLLM and SGLang),
+after the first response pieces are held until N new tokens are pending (the end, an error,
+or the deadline always flush), so each response carries about N tokens: fewer gRPC messages
+per token for the router and its clients, at the price of burstier streaming.
 """
 
 from __future__ import annotations
@@ -70,7 +74,10 @@ class RouterRequest:
     holds_engine_slot: bool = False  # counted in its engine's inflight
     engine_done: bool = False  # the engine has finished or dropped it (no abort needed)
     detokenizer_open: bool = False  # the detokenizer holds state for it
+    stream_interval: int = 1  # tokens a response gathers before it is sent (the first: 1)
     _pieces: list[OutputPiece] = field(default_factory=list)
+    _pending_tokens: int = 0  # tokens in _pieces
+    _send_at: int = 1  # pending tokens that make the next response due
     _error: SluiceError | None = None
     _waiter: asyncio.Future | None = None
 
@@ -108,10 +115,14 @@ class RouterRequest:
         """Add a piece; a piece with a finish reason ends the request."""
         if self.finished:
             return
-        self.completion_tokens += len(piece.token_ids)
+        tokens = len(piece.token_ids)
+        self.completion_tokens += tokens
+        self._pending_tokens += tokens
+        self._pieces.append(piece)
         if piece.finish_reason:
             self.state = RequestState.FINISHED
-        self._pieces.append(piece)
+        elif self._pending_tokens < self._send_at:
+            return  # held back (stream interval): no need to wake the reader yet
         self._wake()
 
     def fail(self, error: SluiceError) -> bool:
@@ -141,21 +152,30 @@ class RouterRequest:
         Raises the request's error once its pieces before it are read, and TimeoutError when
         `timeout` passes with nothing new.
         """
-        while not self._pieces:
-            if self._error is not None:
-                raise self._error
-            if self.finished:
-                return None
+        while not self._pieces or (
+            self._pending_tokens < self._send_at and self.state is not RequestState.FINISHED
+        ):
+            if not self._pieces:
+                if self._error is not None:
+                    raise self._error
+                if self.finished:
+                    return None
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 if timeout is None:
                     await self._waiter
                 else:
                     await asyncio.wait_for(self._waiter, timeout)
+            except TimeoutError:
+                if not self._pieces:
+                    raise
+                break  # the deadline: send what is held back first
             finally:
                 self._waiter = None
         pieces = self._pieces
         self._pieces = []
+        self._pending_tokens = 0
+        self._send_at = self.stream_interval
         return pieces[0] if len(pieces) == 1 else merge_pieces(pieces)
 
 

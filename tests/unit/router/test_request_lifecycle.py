@@ -100,3 +100,48 @@ def test_merge_keeps_last_ending() -> None:
         3,
         "b",
     )
+
+
+def test_stream_interval_holds_pieces_until_enough_tokens() -> None:
+    async def scenario() -> None:
+        request = RouterRequest("r1", "client", [1], SamplingParams(), stream_interval=3)
+        request.push(OutputPiece(text="a", token_ids=[1]))
+        first = await request.next_piece(timeout=1.0)
+        assert first.token_ids == [1]  # the first token goes at once (time to first token)
+        request.push(OutputPiece(text="b", token_ids=[2]))
+        request.push(OutputPiece(text="c", token_ids=[3]))
+        reader = asyncio.ensure_future(request.next_piece())
+        await asyncio.sleep(0.02)
+        assert not reader.done()  # 2 of 3 tokens: held back
+        request.push(OutputPiece(text="d", token_ids=[4]))
+        piece = await asyncio.wait_for(reader, 1.0)
+        assert (piece.text, piece.token_ids) == ("bcd", [2, 3, 4])
+        request.push(OutputPiece(text="e", token_ids=[5]))
+        request.push(OutputPiece(text="f", token_ids=[6], finish_reason=2))
+        last = await request.next_piece(timeout=1.0)  # the end flushes what is held
+        assert (last.text, last.token_ids, last.finish_reason) == ("ef", [5, 6], 2)
+        assert await request.next_piece() is None
+
+    asyncio.run(scenario())
+
+
+def test_stream_interval_flushes_held_pieces_before_an_error_or_the_deadline() -> None:
+    async def scenario() -> None:
+        request = RouterRequest("r1", "client", [1], SamplingParams(), stream_interval=8)
+        request.push(OutputPiece(text="a", token_ids=[1]))
+        await request.next_piece()
+        request.push(OutputPiece(text="b", token_ids=[2]))
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, request.fail, DeadlineExceededError("gone"))
+        assert (await request.next_piece(timeout=1.0)).text == "b"
+        with pytest.raises(DeadlineExceededError):
+            await request.next_piece(timeout=1.0)
+        late = RouterRequest("r2", "client", [1], SamplingParams(), stream_interval=8)
+        late.push(OutputPiece(text="a", token_ids=[1]))
+        await late.next_piece()
+        late.push(OutputPiece(text="b", token_ids=[2]))
+        assert (await late.next_piece(timeout=0.01)).text == "b"  # deadline: sent, not lost
+        with pytest.raises(TimeoutError):
+            await late.next_piece(timeout=0.01)
+
+    asyncio.run(scenario())

@@ -28,6 +28,7 @@ def test_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> N
         {"tokenizer": "x:99999"},
         {"max_queued_requests": 0},
         {"max_queued_tokens": -1},
+        {"stream_interval": 0},
         {"grace": -1.0},
         {"reconnect_min_backoff": 2.0, "reconnect_max_backoff": 1.0},
     ],

@@ -1,0 +1,113 @@
+"""A model-free engine for the stack benchmark: the real EngineSession protocol, no forward pass.
+
+Every `step_s` each live request gets one token (ids cycling through ordinary vocabulary
+entries), the same as a real engine's step message. With it the engine is never the limit, so
+`python -m loadtest.stack_bench --synthetic-step-ms 2` measures what the router and tokenizer
+can stream by themselves. `start_synthetic_engine` is a `services.launcher.Stack` engine starter
+that runs it as its own process (`python -m loadtest.synthetic_engine PORT STEP_MS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Callable
+
+from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+FREE_BLOCKS = 1 << 20
+
+
+class SyntheticEngine(engine_pb2_grpc.EngineServicer):
+    """An engine without a model: every `step_s` each live request gets one token."""
+
+    def __init__(self, step_s: float, vocab_size: int = 49152, max_model_len: int = 4096) -> None:
+        self.step_s = step_s
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    async def Info(self, request, context):  # noqa: N802 - gRPC method name
+        return engine_pb2.EngineInfo(
+            model="synthetic",
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=16,
+            num_blocks=FREE_BLOCKS,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            engine_id="synthetic",
+            load=engine_pb2.EngineLoad(free_blocks=FREE_BLOCKS),
+        )
+
+    async def EngineSession(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        live: dict[str, list[int]] = {}  # id -> [generated, max_tokens, prompt_tokens]
+        aborted: list[str] = []
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for submit in message.submits:
+                    max_tokens = submit.params.max_tokens or 16
+                    live[submit.request_id] = [0, max_tokens, len(submit.prompt_token_ids)]
+                for request_id in message.aborts:
+                    if live.pop(request_id, None) is not None:
+                        aborted.append(request_id)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        index = 0
+        try:
+            while not reader.done():
+                await asyncio.sleep(self.step_s)
+                index += 1
+                step = engine_pb2.EngineStep(step_index=index)
+                for request_id in aborted:
+                    step.updates.add(
+                        request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ABORT
+                    )
+                aborted.clear()
+                for request_id, state in list(live.items()):
+                    state[0] += 1
+                    update = step.updates.add(
+                        request_id=request_id, token_ids=[1000 + (index * 7 + state[0]) % 4000]
+                    )
+                    if state[0] >= state[1]:
+                        update.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                        update.usage.prompt_tokens = state[2]
+                        update.usage.completion_tokens = state[0]
+                        del live[request_id]
+                step.load.free_blocks = FREE_BLOCKS
+                step.load.running = len(live)
+                yield step
+        finally:
+            reader.cancel()
+
+
+async def serve(port: int, step_s: float) -> None:
+    """Serve a SyntheticEngine on loopback `port` until killed."""
+    from services.common.grpc_server import start_server
+
+    engine = SyntheticEngine(step_s)
+    server = await start_server(
+        f"127.0.0.1:{port}",
+        lambda s: engine_pb2_grpc.add_EngineServicer_to_server(engine, s),
+        ["sluice.v1.Engine"],
+    )
+    await server.set_serving(True)
+    await server.server.wait_for_termination()
+
+
+def synthetic_engine_starter(step_ms: float) -> Callable:
+    """A `Stack(engine_starter=...)` hook that starts one synthetic engine process."""
+    from services.launcher import ChildProcess, free_port
+
+    def start(config, model) -> list:
+        port = free_port(config.host)
+        command = [sys.executable, "-m", "loadtest.synthetic_engine", str(port), str(step_ms)]
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        return [ChildProcess("synthetic-engine", f"{config.host}:{port}", process)]
+
+    return start
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(int(sys.argv[1]), float(sys.argv[2]) / 1000))

@@ -42,25 +42,27 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """Add the prompts, step to the end; split step times into prefill and graph decode.
 
     Requests prefilled first finish first (mixed steps decode them meanwhile), so decode
-    figures come from the pure-decode steps that hold the whole batch."""
+    figures come from the pure-decode steps that hold the whole batch. `overlapped_steps`
+    counts steps the engine scheduled ahead (launched before the previous step's ids were
+    read)."""
     from services.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     stamp = time.perf_counter_ns()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"r{stamp}-{index}", prompt, params)
-    runner = engine.runner
+    overlapped_before = getattr(engine, "num_overlapped_steps", 0)
     full_batch, partial, prefill_time, prefill_tokens = [], 0, 0.0, 0
     while engine.has_unfinished():
-        graphs_before = runner.graph_steps
         start = time.perf_counter()
         output = engine.step()
         elapsed = time.perf_counter() - start
-        if runner.graph_steps > graphs_before:
-            if output.num_batched_tokens == len(prompts):
-                full_batch.append(elapsed)
-            else:
-                partial += 1
+        # A step() returns one step's tokens (with overlap it has launched the next already):
+        # a decode of the whole batch has one token per prompt, prefill and mixed steps more.
+        if output.num_batched_tokens == len(prompts):
+            full_batch.append(elapsed)
+        elif output.num_batched_tokens < len(prompts):
+            partial += 1
         else:
             prefill_time += elapsed
             prefill_tokens += output.num_batched_tokens
@@ -72,6 +74,7 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
         "prompt_tokens": len(prompts[0]),
         "full_batch_decode_steps": len(full_batch),
         "partial_decode_steps": partial,
+        "overlapped_steps": getattr(engine, "num_overlapped_steps", 0) - overlapped_before,
         "decode_step_ms": round(step_s * 1e3, 3),
         "decode_tok_s": round(len(prompts) / step_s, 1),
         "prefill_s": round(prefill_time, 4),

@@ -26,6 +26,7 @@ from services.engine.cuda_graph import DEFAULT_BUCKETS
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.model_runner import ModelRunner
 from services.engine.models.config import ModelConfig
+from services.engine.sequence import PENDING_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +86,21 @@ class CudaModelRunner(ModelRunner):
             self.fast.capture_graphs()
         largest = self.fast.graphs.max_batch_size
         width = self.fast._static.block_tables.shape[1]
-        self._host_ids = torch.zeros(largest, dtype=torch.long).pin_memory()
-        self._host_positions = torch.zeros(largest, dtype=torch.long).pin_memory()
-        self._host_tables = torch.zeros((largest, width), dtype=torch.int32).pin_memory()
-        self._copies_done: torch.cuda.Event | None = None
+        # Two sets of pinned inputs and of sampled-id outputs, used in turn, so preparing step
+        # N+1 never waits for step N (only for the copies of step N-1, long done).
+        self._host_inputs = [_HostInputs(largest, width) for _ in range(2)]
+        rows = max(largest, max_num_seqs)
+        self._id_outputs = [torch.zeros(rows, dtype=torch.long).pin_memory() for _ in range(2)]
+        self._id_events = [torch.cuda.Event(), torch.cuda.Event()]
+        for event in self._id_events:
+            event.record()
+        self._turn = 0
+        # The last launch's sampled ids on the device and each sequence's row in them: the
+        # source of a pending token (sequence.PENDING_TOKEN) in the next step.
+        self._previous_rows: dict[int, int] = {}
+        self._previous_ids: torch.Tensor | None = None
+        # LLMEngine schedules a step ahead only for batches one graph replay takes.
+        self.overlap_max_batch = largest if use_cuda_graphs else 0
         self.graph_steps = 0
         self.eager_steps = 0
         logger.info(
@@ -101,6 +113,7 @@ class CudaModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step; float32 logits [batch.num_logits, vocab_size] on the GPU."""
+        self._previous_rows = {}
         if not batch.sequences:
             return torch.empty((0, self.model_config.vocab_size), device=self.device)
         if self._graph_ready(batch):
@@ -111,11 +124,37 @@ class CudaModelRunner(ModelRunner):
     def execute_greedy(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step; int64 argmax token ids [batch.num_logits] (the all-greedy path): a
         graph decode step already samples on the GPU, so only those ids reach the host."""
+        self._previous_rows = {}
         if not batch.sequences:
             return torch.empty((0,), dtype=torch.int64, device=self.device)
         if self._graph_ready(batch):
             return self._graph_decode(batch)[1]
         return self._eager(batch).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def launch_greedy(self, batch: ScheduledBatch) -> PendingIds:
+        """Enqueue one all-greedy step and return at once; `.result()` waits for its argmax
+        ids [batch.num_logits]. A decode token may be sequence.PENDING_TOKEN: it is then the
+        id the previous launch sampled for the same sequence, fed on the device."""
+        if not batch.sequences:
+            ids = torch.empty((0,), dtype=torch.int64, device=self.device)
+        elif self._graph_ready(batch):
+            ids = self._graph_decode(batch)[1]
+        else:
+            if any(PENDING_TOKEN in seq.token_ids for seq in batch.sequences):
+                raise InvalidArgumentError("a pending token needs a graph decode step")
+            ids = self._eager(batch).argmax(dim=-1)
+        sampled = [seq.seq_id for seq in batch.sequences if seq.needs_logits]
+        self._previous_rows = {seq_id: row for row, seq_id in enumerate(sampled)}
+        self._previous_ids = ids
+        turn = self._turn
+        self._turn ^= 1
+        host, event = self._id_outputs[turn], self._id_events[turn]
+        event.synchronize()  # that buffer's copy (two launches ago) has landed
+        count = ids.shape[0]
+        host[:count].copy_(ids, non_blocking=True)
+        event.record()
+        return PendingIds(host[:count], event)
 
     def _graph_ready(self, batch: ScheduledBatch) -> bool:
         return (
@@ -149,13 +188,23 @@ class CudaModelRunner(ModelRunner):
         vocab = self.model_config.vocab_size
         limit = self.model_config.max_model_len
         width = max(len(seq.block_table) for seq in sequences)
-        if width > self._host_tables.shape[1]:
+        if width > self._host_inputs[0].tables.shape[1]:
             raise InvalidArgumentError(f"a block table of {width} blocks exceeds max_model_len")
-        tokens, positions, rows = [], [], []
+        tokens, positions, rows, sources = [], [], [], []
+        pending = False
         for seq in sequences:
             token, position = seq.token_ids[0], seq.start_position
-            if not 0 <= token < vocab:
+            if token == PENDING_TOKEN:
+                source = self._previous_rows.get(seq.seq_id)
+                if source is None:
+                    raise InvalidArgumentError(
+                        f"sequence {seq.seq_id} has a pending token the last step did not sample"
+                    )
+                token, pending = 0, True
+            elif not 0 <= token < vocab:
                 raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
+            else:
+                source = -1
             if position >= limit:
                 raise InvalidArgumentError(
                     f"sequence {seq.seq_id} reaches {position + 1} tokens, over max_model_len "
@@ -168,20 +217,50 @@ class CudaModelRunner(ModelRunner):
                 )
             tokens.append(token)
             positions.append(position)
+            sources.append(source)
             rows.append(table if len(table) == width else table + [0] * (width - len(table)))
-        if self._copies_done is not None:
-            self._copies_done.synchronize()  # the last step's copies have left the host buffers
-        self._host_ids[:count] = torch.tensor(tokens, dtype=torch.long)
-        self._host_positions[:count] = torch.tensor(positions, dtype=torch.long)
-        self._host_tables[:count, :width] = torch.tensor(rows, dtype=torch.int32)
+        host = self._host_inputs[self.graph_steps % 2]
+        host.copies_done.synchronize()  # the copies of two steps ago have left these buffers
+        host.ids[:count] = torch.tensor(tokens, dtype=torch.long)
+        host.positions[:count] = torch.tensor(positions, dtype=torch.long)
+        host.tables[:count, :width] = torch.tensor(rows, dtype=torch.int32)
+        if pending:
+            host.sources[:count] = torch.tensor(sources, dtype=torch.long)
         # Whole rows (contiguous, pinned): entries past a row's blocks are never read.
         outputs = self.fast.decode(
-            self._host_ids[:count], self._host_positions[:count], self._host_tables[:count]
+            host.ids[:count],
+            host.positions[:count],
+            host.tables[:count],
+            sources=host.sources[:count] if pending else None,
+            previous_ids=self._previous_ids,
+            copies_done=host.copies_done,
         )
-        self._copies_done = torch.cuda.Event()
-        self._copies_done.record()
         self.graph_steps += 1
         return outputs
+
+
+class PendingIds:
+    """Sampled ids on their way to pinned host memory; result() waits for them."""
+
+    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event) -> None:
+        self._host = host
+        self._copied = copied
+
+    def result(self) -> list[int]:
+        self._copied.synchronize()
+        return self._host.tolist()
+
+
+class _HostInputs:
+    """Pinned host buffers one graph decode step copies its inputs from."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.ids = torch.zeros(rows, dtype=torch.long).pin_memory()
+        self.positions = torch.zeros(rows, dtype=torch.long).pin_memory()
+        self.tables = torch.zeros((rows, width), dtype=torch.int32).pin_memory()
+        self.sources = torch.full((rows,), -1, dtype=torch.long).pin_memory()
+        self.copies_done = torch.cuda.Event()
+        self.copies_done.record()
 
 
 def _hf_style_config(config: ModelConfig) -> SimpleNamespace:

@@ -30,9 +30,10 @@ from services.engine.outputs import (
     StepOutput,
     TokenLogprob,
 )
+from services.engine.overlap import LaunchedStep, OverlappedSteps, can_schedule_ahead
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.sampling_params import SamplingParams, validate_prompt_token_ids
-from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class EngineInfo:
     dtype: str
 
 
-class LLMEngine:
+class LLMEngine(OverlappedSteps):
     """Continuous-batching engine over one model runner."""
 
     def __init__(self, config: EngineConfig, *, model_runner: Any | None = None) -> None:
@@ -85,6 +86,12 @@ class LLMEngine:
         self.sampler = Sampler(eos, seed=config.seed)
         # The all-greedy fast path, where the runner offers one (other runners: the sampler).
         self._execute_greedy = getattr(model_runner, "execute_greedy", None)
+        # Overlapped greedy steps (services/engine/overlap.py), where the runner can launch a
+        # step without waiting for it (the CUDA runner); others keep the plain path.
+        self._launch_greedy = getattr(model_runner, "launch_greedy", None)
+        self._overlap_max_batch = int(getattr(model_runner, "overlap_max_batch", 0))
+        self._launched: LaunchedStep | None = None
+        self.num_overlapped_steps = 0
         self.info = EngineInfo(
             model_name=str(model_config.name),
             max_model_len=max_model_len,
@@ -183,9 +190,41 @@ class LLMEngine:
     def step(self) -> StepOutput:
         started = time.perf_counter()
         deltas, self._aborted = self._aborted, []
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return StepOutput(deltas, self.load(), time.perf_counter() - started, 0)
+        launched, self._launched = self._launched, None
+        if launched is not None and launched.all_finished:
+            launched = None  # every sequence of it stopped or was aborted: nothing to read
+        if launched is None:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return StepOutput(deltas, self.load(), time.perf_counter() - started, 0)
+            if self._launch_greedy is None or not self._plain_greedy(plan.scheduled):
+                return self._run(plan, deltas, started)
+            launched = self._launch(plan, deltas)
+            if launched is None:
+                elapsed = time.perf_counter() - started
+                return StepOutput(deltas, self.load(), elapsed, plan.batch.num_tokens)
+        ahead = None
+        if can_schedule_ahead(
+            launched,
+            self.scheduler,
+            self.block_manager,
+            max_batch=self._overlap_max_batch,
+            max_model_len=self.info.max_model_len,
+            plain_greedy=lambda seq: self._plain_greedy([(seq, 1)]),
+        ):
+            ahead = self._launch(self.scheduler.schedule(), deltas, continuation=True)
+        if not self._collect(launched, deltas):
+            ahead = self._fail_step(ahead, deltas, "its previous step failed")
+        if ahead is not None and not ahead.all_finished:
+            self._launched = ahead
+            self.num_overlapped_steps += 1
+        elapsed = time.perf_counter() - started
+        return StepOutput(deltas, self.load(), elapsed, launched.num_tokens)
+
+    def _run(
+        self, plan: SchedulerOutput, deltas: list[SequenceDelta], started: float
+    ) -> StepOutput:
+        """One step the plain way: run it, wait for its logits or ids, sample, stop checks."""
         num_tokens = plan.batch.num_tokens
         try:
             greedy = self._plain_greedy(plan.scheduled)
@@ -244,16 +283,18 @@ class LLMEngine:
                 return False
         return True
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token: int, pending: int = 0) -> FinishReason | None:
+        """Why `seq` stops at `token` (its newest token, `pending` placeholders after it)."""
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
+        num_outputs = seq.num_output_tokens - pending
+        if num_outputs >= params.min_tokens:
             if token in self._eos and not params.ignore_eos:
                 return FinishReason.STOP
             if token in params.stop_token_ids:
                 return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens:
+        if num_outputs >= params.max_tokens:
             return FinishReason.LENGTH
-        if seq.num_tokens >= self.info.max_model_len:
+        if seq.num_tokens - pending >= self.info.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -279,6 +320,6 @@ class LLMEngine:
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=seq.num_output_tokens - seq.num_pending_tokens,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
         )

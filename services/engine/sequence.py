@@ -19,6 +19,10 @@ from services.engine.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
 
+# Placeholder for a token sampled on the device whose value the host has not read yet (the
+# overlapped engine path): the runner feeds it from the previous step's sampled ids.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -50,6 +54,7 @@ class Sequence:
     num_preemptions: int = 0
     logprobs: list[TokenLogprob] | None = None
     generator: Any = None  # torch.Generator for a seeded request, created by the sampler
+    num_pending_tokens: int = 0  # trailing PENDING_TOKEN placeholders (overlapped steps only)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -87,6 +92,28 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
+
+    def append_pending_token(self) -> None:
+        """Append a placeholder for a token sampled on the device but not read yet."""
+        self.output_token_ids.append(PENDING_TOKEN)
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+
+    def resolve_pending_token(self, token_id: int) -> None:
+        """The oldest placeholder's value has arrived."""
+        index = len(self.token_ids) - self.num_pending_tokens
+        self.token_ids[index] = token_id
+        self.output_token_ids[index - self.num_prompt_tokens] = token_id
+        self.num_pending_tokens -= 1
+
+    def drop_pending_tokens(self) -> None:
+        """Forget every placeholder (the sequence finished before they were read)."""
+        count = self.num_pending_tokens
+        if count:
+            del self.token_ids[-count:]
+            del self.output_token_ids[-count:]
+            self.num_pending_tokens = 0
+            self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))
 
     def reset_for_recompute(self) -> None:
         """Forget the KV cache (preemption by recompute); tokens generated so far are kept."""

@@ -116,3 +116,46 @@ def test_engine_on_cuda_uses_graphs_and_finishes(runner) -> None:
     assert runner.graph_steps >= graphs_before + 10
     load = engine.load()
     assert load.free_blocks == load.total_blocks and load.running == 0
+
+
+def test_overlapped_engine_matches_the_plain_path(runner) -> None:
+    """Steps scheduled ahead on pending tokens (fed on the GPU) give the plain path's tokens,
+    stop tokens discarding the step already launched, and free every block."""
+    from services.engine.config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(
+        model=f"dummy:{SHAPE}", device="cuda", max_num_seqs=8, max_model_len=512,
+        kv_cache_bytes=64 << 20, enable_prefix_caching=True,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(9)
+    prompts = [
+        torch.randint(0, 40000, (5 + 9 * i,), generator=generator).tolist() for i in range(5)
+    ]
+
+    def run(overlap: bool, stop: list[int]) -> tuple[dict[str, list[int]], LLMEngine]:
+        engine = LLMEngine(config, model_runner=runner)
+        if not overlap:
+            engine._launch_greedy = None
+        for index, prompt in enumerate(prompts):
+            params = SamplingParams(
+                max_tokens=8 + 3 * index, temperature=0.0, ignore_eos=True, stop_token_ids=stop
+            )
+            engine.add_request(f"r{index}", prompt, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for delta in engine.step().deltas:
+                tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+                assert delta.num_output_tokens == len(tokens[delta.request_id])
+        load = engine.load()
+        assert load.free_blocks == load.total_blocks and load.running == 0
+        return tokens, engine
+
+    plain, _ = run(False, [])
+    stop = [plain["r1"][4], plain["r3"][2]]
+    plain_stopped, _ = run(False, stop)
+    overlapped, engine = run(True, stop)
+    assert overlapped == plain_stopped
+    assert engine.num_overlapped_steps > 5
+    assert any(len(plain_stopped[r]) < len(plain[r]) for r in plain)  # a stop cut one short

@@ -228,12 +228,19 @@ class CudaLlama:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         block_tables: torch.Tensor,
+        *,
+        sources: torch.Tensor | None = None,
+        previous_ids: torch.Tensor | None = None,
+        copies_done: torch.cuda.Event | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One greedy decode step for n sequences: (logits [n, vocab], next tokens [n]) views.
 
         Inputs may be pinned host tensors (copied without a sync) or device tensors; each
         sequence's new token sits at `positions[i]`, its cache then holds positions[i] + 1.
-        Views stay valid until the next decode call. Sizes past the largest bucket run eager.
+        sources [n] (optional, int64): where >= 0, sequence i's token is previous_ids[sources[i]]
+        (ids a step still running sampled: the host never read them) instead of input_ids[i].
+        copies_done is recorded once the host inputs have been copied (the host may refill them
+        after it completes). Views stay valid until the next decode call.
         """
         count = input_ids.shape[0]
         buffers = self._static
@@ -244,6 +251,16 @@ class CudaLlama:
         buffers.input_ids[:count].copy_(input_ids, non_blocking=True)
         buffers.positions[:count].copy_(positions, non_blocking=True)
         buffers.block_tables[:count, :width].copy_(block_tables, non_blocking=True)
+        if sources is not None:
+            buffers.sources[:count].copy_(sources, non_blocking=True)
+        if copies_done is not None:
+            copies_done.record()
+        if sources is not None:
+            if previous_ids is None:
+                raise InvalidArgumentError("decode sources need the previous step's ids")
+            source = buffers.sources[:count]
+            fed = previous_ids[source.clamp(min=0)]
+            buffers.input_ids[:count] = torch.where(source >= 0, fed, buffers.input_ids[:count])
         buffers.seq_lens[:count] = buffers.positions[:count].int() + 1
         buffers.seq_lens[count:bucket] = 0
         buffers.positions[count:bucket] = 0
@@ -275,6 +292,7 @@ class _StaticDecodeBuffers:
         self.logits_indices = torch.arange(max_batch, dtype=torch.long, device=device)
         self.logits = torch.zeros((max_batch, vocab_size), dtype=torch.float32, device=device)
         self.next_tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.sources = torch.full((max_batch,), -1, dtype=torch.long, device=device)
 
 
 def prefill_metadata(

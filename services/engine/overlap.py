@@ -1,0 +1,154 @@
+"""Overlapped greedy steps: launch step N+1 before reading step N's sampled tokens.
+
+Used by LLMEngine when its runner offers `launch_greedy(batch) -> handle` (the CUDA runner):
+the launch enqueues the forward pass and the GPU argmax and returns at once; `handle.result()`
+waits for that step's token ids. While step N runs, the engine schedules step N+1 as if every
+sequence of step N continues: each gets a placeholder token (sequence.PENDING_TOKEN) that the
+runner fills on the device from step N's sampled ids, so the host never waits between steps.
+Once step N's ids arrive the placeholders are resolved; a sequence that stopped at step N has
+its step N+1 result discarded and its blocks freed (the device writes its step N+1 K/V into
+them before any later step runs, as all steps share one stream).
+
+Scheduling ahead happens only when it cannot change what the plain path would do: every
+running sequence was sampled at step N, none is certain to stop there on length, all sample
+plain argmax, no waiting request could be admitted, and the free blocks cover every
+sequence's next slot (no preemption). Plain Python, no tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import FailedPreconditionError
+from services.engine.block_manager import BlockManager
+from services.engine.outputs import SequenceDelta
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device whose sampled ids the host has not read yet."""
+
+    handle: Any  # the runner's handle: result() -> list[int], one id per sampled sequence
+    scheduled: list[tuple[Sequence, int]]
+    to_sample: list[Sequence] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def all_finished(self) -> bool:
+        return all(seq.status is SequenceStatus.FINISHED for seq, _ in self.scheduled)
+
+
+def can_schedule_ahead(
+    launched: LaunchedStep,
+    scheduler: Scheduler,
+    block_manager: BlockManager,
+    *,
+    max_batch: int,
+    max_model_len: int,
+    plain_greedy: Callable[[Sequence], bool],
+) -> bool:
+    """Whether the next step may be scheduled before `launched`'s tokens are read."""
+    running = scheduler.running
+    config = scheduler.config
+    count = len(running)
+    if not count or count != len(launched.to_sample) or count > max_batch:
+        return False
+    if count > config.max_num_batched_tokens:
+        return False
+    if scheduler.waiting and count < config.max_num_seqs:
+        return False  # a waiting request could be admitted: the plain path decides
+    sampled = {id(seq) for seq in launched.to_sample}
+    new_blocks = 0
+    for seq in running:
+        if id(seq) not in sampled or seq.status is not SequenceStatus.RUNNING:
+            return False
+        if seq.num_pending_tokens != 1 or seq.num_uncomputed_tokens != 1:
+            return False
+        # The pending token is counted: the sequence stops there on length for sure.
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
+            return False
+        if not plain_greedy(seq):
+            return False
+        new_blocks += block_manager.num_new_blocks(seq, seq.num_computed_tokens + 1)
+    return new_blocks <= block_manager.num_free_blocks
+
+
+class OverlappedSteps:
+    """LLMEngine's launch / collect half of an overlapped step (mixed into LLMEngine, whose
+    scheduler, block manager, request table and delta helpers it uses)."""
+
+    scheduler: Scheduler
+    block_manager: BlockManager
+    _launch_greedy: Any
+    _requests: dict[str, Sequence]
+
+    def _launch(
+        self, plan: SchedulerOutput, deltas: list[SequenceDelta], *, continuation: bool = False
+    ) -> LaunchedStep | None:
+        """Enqueue a plain-greedy step; its sampled sequences get a pending token each."""
+        try:
+            if continuation and (
+                plan.preempted
+                or len(plan.scheduled) != len(self.scheduler.running)
+                or any(count != 1 for _, count in plan.scheduled)
+            ):
+                raise FailedPreconditionError("a step scheduled ahead is not a pure decode step")
+            handle = self._launch_greedy(plan.batch)
+        except Exception as exc:
+            logger.exception("launching a forward step failed")
+            for seq, _ in plan.scheduled:
+                deltas.append(self._fail(seq, f"the engine failed this request: {exc}"))
+            return None
+        launched = LaunchedStep(handle, plan.scheduled, num_tokens=plan.batch.num_tokens)
+        for seq, count in plan.scheduled:
+            seq.num_computed_tokens += count
+            if seq.num_pending_tokens == 0:
+                self.block_manager.register_computed_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                launched.to_sample.append(seq)
+        for seq in launched.to_sample:
+            seq.append_pending_token()
+        return launched
+
+    def _collect(self, launched: LaunchedStep, deltas: list[SequenceDelta]) -> bool:
+        """Read a launched step's ids, resolve pending tokens, apply stop conditions."""
+        try:
+            tokens = launched.handle.result()
+            if len(tokens) != len(launched.to_sample):
+                raise FailedPreconditionError(
+                    f"the runner returned {len(tokens)} ids for {len(launched.to_sample)} rows"
+                )
+        except Exception as exc:
+            logger.exception("forward step failed")
+            self._fail_step(launched, deltas, str(exc))
+            return False
+        for seq, token in zip(launched.to_sample, tokens, strict=True):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # aborted while the step ran (already reported)
+            seq.resolve_pending_token(token)
+            reason = self._stop_reason(seq, token, pending=seq.num_pending_tokens)
+            if reason is not None:
+                seq.drop_pending_tokens()  # its step scheduled ahead is discarded
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            self.block_manager.register_computed_blocks(seq)
+            if reason is not None:
+                self._requests.pop(seq.request_id, None)
+                self.scheduler.finish(seq)
+                seq.finish_reason = reason
+            deltas.append(self._delta(seq, [token], None, reason))
+        return True
+
+    def _fail_step(self, step: LaunchedStep | None, deltas: list[SequenceDelta], why: str) -> None:
+        """Fail every live sequence of a launched step."""
+        if step is not None:
+            for seq, _ in step.scheduled:
+                if seq.status is not SequenceStatus.FINISHED:
+                    deltas.append(self._fail(seq, f"the engine failed this request: {why}"))
+        return None

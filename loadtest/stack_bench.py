@@ -246,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--router needs --engine and --tokenizer")
     if args.concurrency < 1 or args.max_tokens < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("concurrency, max-tokens and duration must be positive, warmup >= 0")
+    # As the services do (GIL hand-offs from gRPC's poller thread); the same for both sides.
+    sys.setswitchinterval(0.0005)
     report = asyncio.run(run(args))
     _print(report)
     if args.json:

@@ -39,12 +39,12 @@ from services.common.config import describe
 from services.common.errors import SluiceError, UnavailableError
 from services.common.grpc_server import start_server
 from services.engine.engine_loop import EngineLoop, LoopOutput, Rejection, Submit
-from services.engine.outputs import EngineLoad, SequenceDelta
+from services.engine.outputs import EngineLoad
 from services.engine.server_convert import (
+    fill_update,
     load_to_pb,
     rejection_to_pb,
     sampling_params_from_pb,
-    update_to_pb,
 )
 from services.engine.server_metrics import MetricsRecorder
 from services.engine.worker_config import WorkerConfig
@@ -221,42 +221,51 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     # ---- outbound -------------------------------------------------------------------------
     def _dispatch(self, output: LoopOutput) -> None:
-        """On the asyncio loop: split one loop output into one EngineStep per session."""
+        """On the asyncio loop: split one loop output into one EngineStep per session.
+
+        Each session's EngineStep is built in place (updates added to it, the load converted
+        once per step), never as separate messages copied in afterwards.
+        """
         self._load = output.load
         self._step_index = output.step_index
-        per_session: dict[str, list[engine_pb2.SequenceUpdate]] = {}
-        for rejection in output.rejections:
-            self._route(rejection.request_id, rejection, per_session)
-        for delta in output.deltas:
-            self._route(delta.request_id, delta, per_session)
+        load = load_to_pb(output.load)
+        sessions = self._sessions
+        steps: dict[str, engine_pb2.EngineStep] = {}
+        for items in (output.rejections, output.deltas):
+            for item in items:
+                key, _, request_id = item.request_id.partition(_SEPARATOR)
+                session = sessions.get(key)
+                if session is None or request_id not in session.live:
+                    continue  # the session is gone (its requests were aborted)
+                step = steps.get(key)
+                if step is None:
+                    step = steps[key] = self._new_step(load, output)
+                if isinstance(item, Rejection):
+                    step.updates.append(rejection_to_pb(request_id, item))
+                    session.live.discard(request_id)
+                else:
+                    fill_update(step.updates.add(), request_id, item)
+                    if item.finished:
+                        session.live.discard(request_id)
         now = time.monotonic()
-        for key, session in list(self._sessions.items()):
-            updates = per_session.get(key)
-            if updates is None and now - session.last_sent < self._interval:
-                continue
+        for key, session in list(sessions.items()):
+            step = steps.get(key)
+            if step is None:
+                if now - session.last_sent < self._interval:
+                    continue
+                step = self._new_step(load, output)
             session.last_sent = now
-            session.outbox.put_nowait(self._step_message(updates or [], output.load, output))
+            session.outbox.put_nowait(step)
             if session.input_closed and not session.live:
                 session.outbox.put_nowait(None)
 
-    def _route(
-        self,
-        internal_id: str,
-        item: SequenceDelta | Rejection,
-        per_session: dict[str, list[engine_pb2.SequenceUpdate]],
-    ) -> None:
-        key, _, request_id = internal_id.partition(_SEPARATOR)
-        session = self._sessions.get(key)
-        if session is None or request_id not in session.live:
-            return  # the session is gone (its requests were aborted)
-        if isinstance(item, Rejection):
-            update = rejection_to_pb(request_id, item)
-            session.live.discard(request_id)
-        else:
-            update = update_to_pb(request_id, item)
-            if item.finished:
-                session.live.discard(request_id)
-        per_session.setdefault(key, []).append(update)
+    def _new_step(self, load: engine_pb2.EngineLoad, output: LoopOutput) -> engine_pb2.EngineStep:
+        return engine_pb2.EngineStep(
+            load=load,
+            step_index=self._step_index,
+            step_time_ms=output.step_time_s * 1000.0,
+            num_batched_tokens=output.num_batched_tokens,
+        )
 
     def _step_message(
         self,

@@ -2,7 +2,8 @@
 
 Kept apart from the servicer so it stays thin: SamplingParams from the wire (unset optional
 fields take the documented defaults; validation raises InvalidArgumentError), and SequenceDelta /
-EngineLoad / Rejection to SequenceUpdate / EngineLoad messages.
+EngineLoad / Rejection to SequenceUpdate / EngineLoad messages (a delta is written
+into its step's SequenceUpdate in place).
 """
 
 from __future__ import annotations
@@ -54,16 +55,14 @@ def load_to_pb(load: EngineLoad) -> engine_pb2.EngineLoad:
     )
 
 
-def update_to_pb(request_id: str, delta: SequenceDelta) -> engine_pb2.SequenceUpdate:
-    update = engine_pb2.SequenceUpdate(
-        request_id=request_id,
-        token_ids=delta.new_token_ids,
-        usage=common_pb2.Usage(
-            prompt_tokens=delta.num_prompt_tokens,
-            completion_tokens=delta.num_output_tokens,
-            cached_prompt_tokens=delta.num_cached_prompt_tokens,
-        ),
-    )
+def fill_update(update: engine_pb2.SequenceUpdate, request_id: str, delta: SequenceDelta) -> None:
+    """Write `delta` into `update` in place (an `EngineStep.updates.add()`: no copy per step)."""
+    update.request_id = request_id
+    update.token_ids.extend(delta.new_token_ids)
+    usage = update.usage
+    usage.prompt_tokens = delta.num_prompt_tokens
+    usage.completion_tokens = delta.num_output_tokens
+    usage.cached_prompt_tokens = delta.num_cached_prompt_tokens
     if delta.logprobs:
         update.logprobs.extend(
             common_pb2.TokenLogprob(
@@ -79,7 +78,6 @@ def update_to_pb(request_id: str, delta: SequenceDelta) -> engine_pb2.SequenceUp
     if delta.error:
         update.error.code = "INTERNAL"
         update.error.message = delta.error
-    return update
 
 
 def rejection_to_pb(request_id: str, rejection: Rejection) -> engine_pb2.SequenceUpdate:

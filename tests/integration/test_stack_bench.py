@@ -1,0 +1,48 @@
+"""The issue-3 stack benchmark end to end on a small run: both sides stream, the report adds up.
+
+Runs `loadtest.stack_bench` against a stack whose engine is the model-free synthetic engine
+(loadtest/synthetic_engine.py), so it is quick; the same code path measures `dummy:tiny`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from loadtest import stack_bench
+from loadtest.stack_bench_clients import LoadShape
+
+pytestmark = pytest.mark.slow
+
+
+def test_staggered_first_requests_spread_over_the_whole_length() -> None:
+    shape = LoadShape(concurrency=4, max_tokens=8, duration_s=1.0, warmup_s=0.0)
+    assert [shape.first_max_tokens(i) for i in range(4)] == [2, 4, 6, 8]
+    assert LoadShape(64, 1, 1.0, 0.0).first_max_tokens(0) == 1  # never below one token
+
+
+def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys) -> None:
+    report_path = tmp_path / "report.json"
+    argv = [
+        "--synthetic-step-ms", "2", "--concurrency", "8", "--max-tokens", "16",
+        "--duration", "1.5", "--warmup", "0.3", "--idle-samples", "3",
+        "--stream-interval", "2", "--json", str(report_path),
+    ]  # fmt: skip
+    assert stack_bench.main(argv) == 0
+    report = json.loads(report_path.read_text())
+    engine, router = report["engine_alone"], report["router"]
+    for side in (engine, router):
+        assert side["tokens"] > 0 and side["requests"] > 0 and side["ttft_samples"] > 0
+        assert side["tokens_per_s"] == pytest.approx(side["tokens"] / side["seconds"])
+        assert side["ttft_median_ms"] <= side["ttft_p90_ms"]
+    assert engine["tokens_per_response"] == pytest.approx(1.0)  # one token per step each
+    assert router["tokens_per_response"] > 1.0  # --stream-interval 2 reached the router
+    assert set(router["cpu_us_per_token"]) >= {"router", "tokenizer", "engine", "bench client"}
+    assert router["cpu_us_per_token"]["router"] > 0
+    assert report["ratio_router_to_engine"] == pytest.approx(
+        router["tokens_per_s"] / engine["tokens_per_s"]
+    )
+    assert math.isfinite(report["added_ttft_median_ms_idle"])
+    assert "ratio router / engine alone" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command the GPU device call runs (issue 5): environment report, the standalone
 # benchmark (loadtest.gpu_bench), the engine-level benchmark through LLMEngine
-# (loadtest.gpu_bench_engine, merged into the same JSON), then the gpu-marked tests. Each part
+# (loadtest.gpu_bench_engine, merged into the same JSON), the bs=1 projection microbenchmark
+# (loadtest.gpu_bench_gemv), then the gpu-marked tests. Each part
 # has its own time limit and log under $OUT, so one failure or timeout keeps the others.
 # The JSON report lands in $OUT/engine-h100.json (copy it to loadtest/results/).
 # Needs .device/tokenizer (carried; made here by `python -m loadtest.gpu_bench_device_setup
@@ -38,6 +39,9 @@ if [ "${SKIP_ENGINE:-0}" != "1" ]; then
     part "engine-$shape" "${ENGINE_TIMEOUT:-150}" python3 -m loadtest.gpu_bench_engine \
       --shapes "$shape" --out "$OUT/engine-level-$shape.json" --merge-into "$OUT/engine-h100.json"
   done
+fi
+if [ "${SKIP_GEMV:-0}" != "1" ]; then  # bs=1 projection microbench (graph-timed), gemv.json
+  part gemv "${GEMV_TIMEOUT:-150}" python3 -m loadtest.gpu_bench_gemv --json "$OUT/gemv.json"
 fi
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   part gpu-tests "${TEST_TIMEOUT:-150}" python3 -m pytest tests/gpu -q -p no:cacheprovider \

@@ -6,7 +6,10 @@ backends/cuda_model.CudaLlama: Triton kernels for fused add + RMSNorm, rotary + 
 paged attention and SwiGLU, the skinny matmul where it measures faster than cuBLAS, and pure
 decode steps as one CUDA graph replay per batch-size bucket. A decode step copies its token ids,
 positions and block tables from pinned host buffers without a sync, so the only wait of a step
-is the engine reading the sampled tokens. Prefill and mixed steps run the same kernels eagerly.
+is the engine reading the sampled tokens. `launch_greedy` enqueues an all-greedy step and
+returns a handle at once, so LLMEngine can launch step N+1 (its decode tokens fed on the GPU
+from step N's argmax) before it reads step N's ids (services/engine/overlap.py). Prefill and
+mixed steps run the same kernels eagerly.
 The plain torch model stays bound to the same cache, so `reference_execute` checks the fast
 path against it. Models the fast path does not cover (biases, q/k norm, odd head sizes) are
 refused here; runner_factory then keeps the plain ModelRunner.

@@ -5,7 +5,9 @@ Not thread-safe: one thread drives it (the worker's forward loop, or `LLM.genera
 whose logits came back, checks their stop conditions and returns every sequence's news in one
 `StepOutput`, plus the engine's load. Requests are validated at `add_request` with messages meant
 for the caller; an aborted request's blocks are freed at once and it is reported once, with
-finish reason ABORT, by the next step.
+finish reason ABORT, by the next step. With a runner that can launch a step without waiting
+(the CUDA runner's `launch_greedy`), all-greedy steps overlap: each `step()` launches the next
+step before reading this one's sampled ids (services/engine/overlap.py); outputs are the same.
 """
 
 from __future__ import annotations

@@ -113,11 +113,15 @@ def test_decode_attention_matches_reference(seq_lens, heads, kv_heads, head_dim)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
     ref = reference.paged_attention_ref(query, key_cache, value_cache, tables, starts, lens, scale)
-    for splits in (None, 1, 7):
-        out = paged_decode_attention(
-            query, key_cache, value_cache, tables, lens, scale, num_splits=splits
-        )
-        assert _relative_error(out, ref) < 2e-2
+    counters = torch.zeros(len(seq_lens) * kv_heads, dtype=torch.int32, device=DEVICE)
+    for splits in (None, 1, 7, 32):
+        for merge_counters in (None, counters, counters):  # twice: the counters re-arm
+            out = paged_decode_attention(
+                query, key_cache, value_cache, tables, lens, scale, num_splits=splits,
+                counters=merge_counters,
+            )  # fmt: skip
+            assert _relative_error(out, ref) < 2e-2, (splits, merge_counters is not None)
+            assert int(counters.abs().sum()) == 0, "the last split must re-arm its counter"
     empty = [index for index, length in enumerate(seq_lens) if length == 0]
     for index in empty:
         assert torch.all(out[index] == 0)

@@ -3,7 +3,9 @@
 Grid (sequence, kv head, split): each program loads the query rows of every head that shares
 its kv head (GQA; padded to 16 rows for tensor-core dots), walks its share of the sequence's
 cached tokens through the block table in tiles of BLOCK_N tokens, and writes a partial output
-with its log-sum-exp. A second small kernel merges the splits. The split count depends only on
+with its log-sum-exp. The last split of a (sequence, kv head) to finish merges them (an atomic
+counter per pair, re-armed to zero by that split), or, without counters, a second small kernel
+does; with one split the output is written directly. The split count depends only on
 the batch size, not on the context lengths, so a captured CUDA graph stays valid as sequences
 grow; splits past a sequence's end do no work. Padding rows (seq_len 0) produce zeros.
 """
@@ -14,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.common.errors import InvalidArgumentError
 from services.engine.kernels.paged_kv import load_kv_tile
 
 _LOG2E = 1.4426950408889634
@@ -28,6 +31,8 @@ def _decode_split_kernel(
     seq_lens_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    out_ptr,
+    counters_ptr,
     scale_log2,
     block_table_stride,
     num_heads,
@@ -38,6 +43,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr,  # 0: partials (merge kernel after), 1: one split, 2: last split merges
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -87,14 +93,52 @@ def _decode_split_kernel(
         max_score = new_max
     has_tokens = denominator > 0
     out = acc / tl.where(has_tokens, denominator, 1.0)[:, None]
-    lse = tl.where(has_tokens, max_score + tl.log2(tl.where(has_tokens, denominator, 1.0)), -1e30)
-    partial_index = (seq * num_heads + heads) * NUM_SPLITS + split
-    tl.store(
-        partial_out_ptr + partial_index[:, None] * HEAD_DIM + dims[None, :],
-        out,
-        mask=row_mask[:, None],
-    )
-    tl.store(partial_lse_ptr + partial_index, lse, mask=row_mask)
+    out_rows = (seq * num_heads + heads)[:, None] * HEAD_DIM + dims[None, :]
+    if MODE == 1:
+        tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        lse = tl.where(
+            has_tokens, max_score + tl.log2(tl.where(has_tokens, denominator, 1.0)), -1e30
+        )
+        partial_base = (seq * num_heads + heads) * NUM_SPLITS
+        tl.store(
+            partial_out_ptr + (partial_base + split)[:, None] * HEAD_DIM + dims[None, :],
+            out,
+            mask=row_mask[:, None],
+        )
+        tl.store(partial_lse_ptr + partial_base + split, lse, mask=row_mask)
+        if MODE == 2:
+            # The last split of this (sequence, kv head) to finish merges all of them (the
+            # atomic orders every split's stores before its loads) and re-arms the counter.
+            counter = counters_ptr + seq * num_kv_heads + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                best = tl.full([GROUP_P], -1e30, tl.float32)
+                for other in tl.static_range(NUM_SPLITS):
+                    other_lse = tl.load(
+                        partial_lse_ptr + partial_base + other, mask=row_mask, other=-1e30,
+                        cache_modifier=".cg",
+                    )  # fmt: skip
+                    best = tl.maximum(best, other_lse)
+                total = tl.zeros([GROUP_P], tl.float32)
+                merged = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+                for other in tl.static_range(NUM_SPLITS):
+                    other_lse = tl.load(
+                        partial_lse_ptr + partial_base + other, mask=row_mask, other=-1e30,
+                        cache_modifier=".cg",
+                    )  # fmt: skip
+                    weight = tl.where(other_lse > -1e29, tl.exp2(other_lse - best), 0.0)
+                    other_out = tl.load(
+                        partial_out_ptr + (partial_base + other)[:, None] * HEAD_DIM
+                        + dims[None, :],
+                        mask=row_mask[:, None], other=0.0, cache_modifier=".cg",
+                    )  # fmt: skip
+                    merged += other_out * weight[:, None]
+                    total += weight
+                merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(
+                    out_ptr + out_rows, merged.to(out_ptr.dtype.element_ty), mask=row_mask[:, None]
+                )
+                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -137,10 +181,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query [B, heads, head_dim] (one token each) over the paged cache -> same shape.
 
     seq_lens [B] int32 counts the cached tokens including this step's (already written).
+    counters: zeroed int32 [>= B * kv_heads] (kept zeroed) lets the last split to finish merge
+    the splits in the same kernel; without it a second kernel merges them.
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -151,11 +198,19 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads)
     query = query.contiguous()
+    # MODE 1 writes the output directly; 2 merges in the last split to finish (needs a
+    # zeroed int32 counter per (sequence, kv head), left zeroed); 0 runs the merge kernel.
+    mode = 1 if num_splits == 1 else (2 if counters is not None else 0)
+    if mode == 2 and counters.numel() < batch * num_kv_heads:
+        raise InvalidArgumentError("decode attention counters are too few for this batch")
+    partial_shape = (batch, num_heads, num_splits)
     partial_out = torch.empty(
-        (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        (*partial_shape, head_dim) if mode != 1 else (1, head_dim),
+        dtype=torch.float32,
+        device=query.device,
     )
     partial_lse = torch.empty(
-        (batch, num_heads, num_splits), dtype=torch.float32, device=query.device
+        partial_shape if mode != 1 else (1,), dtype=torch.float32, device=query.device
     )
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query,
@@ -165,6 +220,8 @@ def paged_decode_attention(
         seq_lens,
         partial_out,
         partial_lse,
+        out,
+        counters if mode == 2 else partial_lse,
         scale * _LOG2E,
         block_tables.stride(0),
         num_heads,
@@ -175,16 +232,18 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=64,
+        MODE=mode,
         num_warps=4,
         num_stages=2,
     )
-    _decode_merge_kernel[(batch * num_heads,)](
-        partial_out,
-        partial_lse,
-        out,
-        NUM_SPLITS=num_splits,
-        SPLITS_P=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim,
-        num_warps=1 if head_dim <= 64 else 2,
-    )
+    if mode == 0:
+        _decode_merge_kernel[(batch * num_heads,)](
+            partial_out,
+            partial_lse,
+            out,
+            NUM_SPLITS=num_splits,
+            SPLITS_P=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            num_warps=1 if head_dim <= 64 else 2,
+        )
     return out

@@ -13,7 +13,9 @@ backend defaults to), else float32. KV budget per kv_cache.py.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 
 import torch
 
@@ -23,6 +25,7 @@ from services.engine.backends.base import get_backend
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.kv_cache import KVCache
 from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.layers.linear import pack_linear_layers
 from services.engine.loader.dummy_shapes import dummy_config
 from services.engine.loader.weights import build_model
 from services.engine.models.config import ModelConfig
@@ -31,6 +34,15 @@ logger = logging.getLogger(__name__)
 
 # CPU models at most this wide run their ops on one torch thread (see ModelRunner.__init__).
 SINGLE_THREAD_MAX_HIDDEN = 256
+# glibc mallopt parameters (malloc.h) and the values set for CPU inference (see
+# keep_freed_cpu_memory): blocks up to 32 MiB come from the heap, which keeps up to 1 GiB free.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_CPU_MALLOC_SETTINGS = (
+    (_M_MMAP_THRESHOLD, 32 << 20),
+    (_M_TRIM_THRESHOLD, 1 << 30),
+    (_M_TOP_PAD, 64 << 20),
+)
+_allocator_tuned = False
 
 
 class ModelRunner:
@@ -62,6 +74,8 @@ class ModelRunner:
             # with the router/tokenizer processes (measured: ~13 ms vs 10-60 ms per step of
             # dummy:tiny at 64 sequences on 2 cores).
             torch.set_num_threads(1)
+        if self.device.type == "cpu":
+            keep_freed_cpu_memory()
         backend_cls = get_backend(backend)  # fail fast, before loading any weights
         torch.manual_seed(seed)
         self.model = build_model(
@@ -71,6 +85,9 @@ class ModelRunner:
             dtype=self.dtype,
             seed=seed,
         )
+        if self.device.type == "cpu":  # oneDNN-prepacked weights: 1.2-3x faster projections
+            pack_linear_layers(self.model, exclude=("lm_head",))
+            self.model.pack_lm_head()
         self.backend_name = backend
         self.backend = backend_cls(
             config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5
@@ -194,6 +211,31 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
         return input_ids, position_tensor, metadata
+
+
+def keep_freed_cpu_memory() -> bool:
+    """Make glibc malloc reuse freed activation memory instead of mapping fresh pages.
+
+    By default glibc serves blocks over 128 KiB-32 MiB with mmap and gives them back on free, so
+    every step's activations (a few MiB each) come back as new pages that the kernel must fault
+    in and zero: measured 2-4x slower attention and ~25 % slower batch-32 generation of SmolLM2
+    on CPU. Raising the mmap and trim thresholds keeps those blocks in the heap for reuse (the
+    process keeps up to ~1 GiB of freed memory). Once per process; False where not glibc.
+    """
+    global _allocator_tuned
+    if _allocator_tuned:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    _allocator_tuned = all(mallopt(param, value) == 1 for param, value in _CPU_MALLOC_SETTINGS)
+    if _allocator_tuned:
+        logger.info("glibc malloc tuned for CPU inference (freed activations are reused)")
+    return _allocator_tuned
 
 
 def cpu_has_native_bfloat16() -> bool:

@@ -1,12 +1,16 @@
 """The "torch" attention backend: plain PyTorch over the paged KV cache, correct on any device.
 
 Per step, `prepare` splits the flat batch into its leading decodes (one query token each) and
-the prefill chunks after them, and precomputes the cache slots each one reads. Decodes are
+the prefill chunks after them, and precomputes the cache rows each one reads. Decodes are
 computed together: every sequence's keys are gathered from its block table into one padded
-[B, max_seq_len] tensor with a length mask, one scaled_dot_product_attention call for the
-whole batch with query heads grouped per KV head (GQA without repeating K/V). Each prefill
-chunk attends causally to its cached prefix plus itself (the mask is offset by the context
-length), so a first prefill, a chunked prefill and a prefix-cache hit share one path.
+[B, KVH, max_seq_len, D] tensor with a length mask, query heads grouped per KV head (GQA
+without repeating K/V). Each prefill chunk attends causally to its cached prefix plus itself
+(the mask is offset by the context length), so a first prefill, a chunked prefill and a
+prefix-cache hit share one path.
+
+On CPU, attention is batched matmuls around a float32 softmax (layers/cpu_attention.py: ~2-3x
+faster than PyTorch's CPU flash kernel for decodes and for prefill chunks of 48+ tokens). Long
+chunks, whose float32 scores would be large, and CUDA use scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -19,12 +23,20 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.engine.backends.base import AttentionBackend, register_backend
+from services.engine.layers import cpu_attention
 from services.engine.layers.attention_metadata import AttentionMetadata
 
 _STATE_KEY = "torch"
 # cuDNN attention re-plans for every new shape (every decode step grows max_seq_len): ~30 ms a
 # call on an H100. The other CUDA kernels take any shape at once.
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# CPU prefill chunks use the matmul path from this many query tokens (below it the flash kernel
+# is as fast) while their float32 scores (heads x queries x keys) stay under the cap below.
+MATMUL_PREFILL_MIN_QUERIES = 48
+MATMUL_MAX_SCORES = 4 << 20
+# CPU decodes score all query heads against all KV heads of whole cache blocks (no per-head
+# gather copy) when the model has at most this many KV heads; the extra scoring work is x KVH.
+ALL_HEADS_MAX_KV_HEADS = 4
 
 
 @dataclass
@@ -33,6 +45,17 @@ class _PrefillChunk:
     token_end: int
     slots: torch.Tensor | None  # [seq_len] cache slots to read; None when nothing was cached
     mask: torch.Tensor | None  # [query_len, seq_len] bool, True where attention is allowed
+    additive: torch.Tensor | None = None  # the mask as float32 0/-inf (matmul path), made once
+
+    def additive_mask(self) -> torch.Tensor:
+        """[query_len, seq_len] float32 0/-inf: causal, offset by the cached context."""
+        if self.additive is None:
+            allowed = self.mask
+            if allowed is None:  # a first prefill: plain causal
+                size = self.token_end - self.token_start
+                allowed = torch.ones(size, size, dtype=torch.bool).tril_()
+            self.additive = _additive(allowed, torch.float32)
+        return self.additive
 
 
 @dataclass
@@ -41,18 +64,40 @@ class _StepPlan:
     decode_slots: torch.Tensor | None  # [B_decode, max_len] int64
     decode_mask: torch.Tensor | None  # [B_decode, 1, 1, max_len] bool; None when all equal
     prefills: list[_PrefillChunk]
+    decode_blocks: torch.Tensor | None = None  # [B_decode, blocks covering max_len] int64
+    decode_lengths: torch.Tensor | None = None  # [B_decode] int64
+    block_size: int = 16
+    # Per-step caches shared by all layers, made on first use.
     additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    decode_rows: torch.Tensor | None = None
+    all_heads_mask: torch.Tensor | None = None
 
     def decode_mask_for(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The decode mask as 0/-inf in `dtype` (SDPA on CPU is faster with additive masks)."""
         if self.decode_mask is None:
             return None
         if dtype not in self.additive_masks:
-            additive = torch.zeros(
-                self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device
-            )
-            self.additive_masks[dtype] = additive.masked_fill(~self.decode_mask, float("-inf"))
+            self.additive_masks[dtype] = _additive(self.decode_mask, dtype)
         return self.additive_masks[dtype]
+
+    def decode_rows_for(self, num_kv_heads: int) -> torch.Tensor:
+        """Per (sequence, KV head, position) row of the cache viewed as [-1, head_dim]."""
+        if self.decode_rows is None:
+            heads = torch.arange(num_kv_heads, device=self.decode_slots.device)
+            rows = self.decode_slots.unsqueeze(1) * num_kv_heads + heads[None, :, None]
+            self.decode_rows = rows.reshape(-1)
+        return self.decode_rows
+
+    def all_heads_mask_for(self, num_kv_heads: int) -> torch.Tensor:
+        """[B, KVH, 1, L, KVH] 0/-inf: query group h sees KV head h at positions < length."""
+        if self.all_heads_mask is None:
+            device = self.decode_blocks.device
+            length = self.decode_blocks.shape[1] * self.block_size
+            valid = torch.arange(length, device=device)[None] < self.decode_lengths[:, None]
+            same = torch.eye(num_kv_heads, dtype=torch.bool, device=device)
+            allowed = valid[:, None, None, :, None] & same[None, :, None, None, :]
+            self.all_heads_mask = _additive(allowed, torch.float32)
+        return self.all_heads_mask
 
 
 @register_backend("torch")
@@ -97,7 +142,8 @@ class TorchAttentionBackend(AttentionBackend):
         output: torch.Tensor,
     ) -> None:
         if plan.num_decodes:
-            output[: plan.num_decodes] = self._decode(
+            decode = self._decode_sdpa if query.is_cuda else self._decode_matmul
+            output[: plan.num_decodes] = decode(
                 query[: plan.num_decodes], flat_keys, flat_values, plan
             )
         for chunk in plan.prefills:
@@ -105,7 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
                 query, key, value, flat_keys, flat_values, chunk
             )
 
-    def _decode(
+    def _decode_sdpa(
         self,
         query: torch.Tensor,
         flat_keys: torch.Tensor,
@@ -117,7 +163,7 @@ class TorchAttentionBackend(AttentionBackend):
         grouped = query.view(batch, self.num_kv_heads, group, self.head_dim)
         slots = plan.decode_slots
         shape = (batch, slots.shape[1], self.num_kv_heads, self.head_dim)
-        # index_select on flat slots: much cheaper on CPU than advanced indexing.
+        # index_select on flat slots: much cheaper than advanced indexing.
         keys = flat_keys.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
         values = flat_values.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
         keys, values = keys.to(query.dtype), values.to(query.dtype)
@@ -125,6 +171,33 @@ class TorchAttentionBackend(AttentionBackend):
             grouped, keys, values, attn_mask=plan.decode_mask_for(query.dtype), scale=self.scale
         )
         return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _decode_matmul(
+        self,
+        query: torch.Tensor,
+        flat_keys: torch.Tensor,
+        flat_values: torch.Tensor,
+        plan: _StepPlan,
+    ) -> torch.Tensor:
+        if self.num_kv_heads <= ALL_HEADS_MAX_KV_HEADS:
+            per_block = plan.block_size * self.num_kv_heads * self.head_dim
+            return cpu_attention.decode_all_heads(
+                query,
+                flat_keys.view(-1, per_block),
+                flat_values.view(-1, per_block),
+                plan.decode_blocks,
+                plan.all_heads_mask_for(self.num_kv_heads),
+                self.scale,
+            )
+        return cpu_attention.decode_per_head(
+            query,
+            flat_keys.view(-1, self.head_dim),
+            flat_values.view(-1, self.head_dim),
+            plan.decode_rows_for(self.num_kv_heads),
+            plan.decode_slots.shape[1],
+            plan.decode_mask_for(torch.float32),
+            self.scale,
+        )
 
     def _prefill(
         self,
@@ -136,13 +209,23 @@ class TorchAttentionBackend(AttentionBackend):
         chunk: _PrefillChunk,
     ) -> torch.Tensor:
         start, end = chunk.token_start, chunk.token_end
-        queries = query[start:end].transpose(0, 1).unsqueeze(0)
         if chunk.slots is None:
             keys = key[start:end]
             values = value[start:end]
         else:
             keys = flat_keys.index_select(0, chunk.slots).to(query.dtype)
             values = flat_values.index_select(0, chunk.slots).to(query.dtype)
+        queries = query[start:end]
+        num_queries, num_keys = end - start, keys.shape[0]
+        if (
+            not query.is_cuda
+            and num_queries >= MATMUL_PREFILL_MIN_QUERIES
+            and self.num_heads * num_queries * num_keys <= MATMUL_MAX_SCORES
+        ):
+            return cpu_attention.prefill_matmul(
+                queries, keys, values, chunk.additive_mask(), self.scale
+            )
+        queries = queries.transpose(0, 1).unsqueeze(0)
         keys = keys.transpose(0, 1).unsqueeze(0)
         values = values.transpose(0, 1).unsqueeze(0)
         gqa = self.num_heads != self.num_kv_heads
@@ -157,6 +240,12 @@ class TorchAttentionBackend(AttentionBackend):
         return out.squeeze(0).transpose(0, 1)
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as 0 / -inf in `dtype`."""
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return additive.masked_fill_(~allowed, float("-inf"))
+
+
 def _plan(metadata: AttentionMetadata) -> _StepPlan:
     starts = metadata.query_start_loc_host or metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens_host or metadata.seq_lens.tolist()
@@ -167,13 +256,15 @@ def _plan(metadata: AttentionMetadata) -> _StepPlan:
         num_decodes += 1
     device = metadata.slot_mapping.device
     block_tables = metadata.block_tables.to(torch.int64)
-    decode_slots = decode_mask = None
+    decode_slots = decode_mask = decode_blocks = lengths = None
     if num_decodes:
         max_len = max(seq_lens[:num_decodes])
         lengths = metadata.seq_lens[:num_decodes].to(torch.int64)
         decode_slots, valid = _slots_for(block_tables[:num_decodes], max_len, lengths, metadata)
         if min(seq_lens[:num_decodes]) != max_len:  # equal lengths need no mask
             decode_mask = valid[:, None, None, :]
+        num_blocks = -(-max_len // metadata.block_size)
+        decode_blocks = block_tables[:num_decodes, :num_blocks].contiguous()
     prefills = []
     for index in range(num_decodes, len(query_lens)):
         context = context_lens[index]
@@ -185,7 +276,15 @@ def _plan(metadata: AttentionMetadata) -> _StepPlan:
             key_positions = torch.arange(seq_len, device=device).unsqueeze(0)
             mask = key_positions <= query_positions
         prefills.append(_PrefillChunk(starts[index], starts[index + 1], slots, mask))
-    return _StepPlan(num_decodes, decode_slots, decode_mask, prefills)
+    return _StepPlan(
+        num_decodes,
+        decode_slots,
+        decode_mask,
+        prefills,
+        decode_blocks=decode_blocks,
+        decode_lengths=lengths,
+        block_size=metadata.block_size,
+    )
 
 
 def _slots_for(

@@ -20,6 +20,7 @@ from services.common.errors import FailedPreconditionError
 from services.engine.backends.base import AttentionBackend
 from services.engine.layers.activation import SiluAndMul
 from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.layers.linear import pack_weight, packed_linear
 from services.engine.layers.norm import RMSNorm
 from services.engine.layers.rotary import RotaryEmbedding
 from services.engine.models.config import ModelConfig
@@ -162,6 +163,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = None
         self._greedy_buffer: torch.Tensor | None = None  # reused by compute_greedy
+        self._packed_head: torch.Tensor | None = None  # set by pack_lm_head (CPU)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -184,7 +186,18 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] of every token in the flat batch."""
         return self.model(input_ids, positions, metadata)
 
+    def pack_lm_head(self) -> bool:
+        """Keep a oneDNN-packed copy of the LM head for CPU (layers/linear.py; ~1.2-3x faster).
+
+        With tied embeddings this is a second copy of the embedding table (vocab x hidden).
+        """
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self._packed_head = pack_weight(weight)
+        return self._packed_head is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._packed_head is not None and hidden.dtype == self._packed_head.dtype:
+            return packed_linear(hidden, self._packed_head)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 
@@ -204,7 +217,8 @@ class LlamaForCausalLM(nn.Module):
             or hidden.device.type != "cpu"
             or hidden.dtype != weight.dtype
         ):
-            return F.linear(hidden, weight).float().argmax(dim=-1)
+            # No float copy: bf16/fp16 -> float32 is exact, so the argmax (ties too) is the same.
+            return self.compute_logits(hidden).argmax(dim=-1)
         slices = -(-vocab // chunk)
         size = slices * rows * chunk
         buffer = self._greedy_buffer

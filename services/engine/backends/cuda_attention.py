@@ -25,14 +25,6 @@ class CudaPagedAttention:
         if num_sms is None and torch.cuda.is_available():
             num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.num_sms = num_sms or 132
-        self._counters: torch.Tensor | None = None  # decode's split-merge counters, kept zeroed
-
-    def _split_counters(self, count: int, device: torch.device) -> torch.Tensor:
-        """Zeroed int32 counters for `count` (sequence, kv head) pairs (made before capture:
-        graph warm-up runs the largest batch first)."""
-        if self._counters is None or self._counters.numel() < count:
-            self._counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        return self._counters
 
     def store_kv(
         self,
@@ -71,7 +63,6 @@ class CudaPagedAttention:
                 metadata.seq_lens,
                 scale,
                 num_splits=splits,
-                counters=self._split_counters(batch * key_cache.shape[2], query.device),
             )
         return paged_prefill_attention(
             query,

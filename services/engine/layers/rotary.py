@@ -97,6 +97,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._lookup(positions, query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
+    def rotate(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Rotate one [T, heads, head_dim] tensor, e.g. query and key heads side by side."""
+        cos, sin = self._lookup(positions, heads.dtype)
+        return _rotate(heads, cos, sin)
+
     def _lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,13 +71,21 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(-1, self.num_heads, self.head_dim)
-        key = key.view(-1, self.num_kv_heads, self.head_dim)
         value = value.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            query = self.q_norm.normalize(query)
-            key = self.k_norm.normalize(key)
-        query, key = self.rotary(positions, query, key)
+        if self.q_norm is None and qkv.device.type == "cpu":
+            # Query and key heads lie side by side in qkv: one rotary pass over both (CPU: half
+            # the small ops; query and key stay strided views, which the torch backend takes).
+            heads = self.num_heads + self.num_kv_heads
+            both = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
+            both = self.rotary.rotate(positions, both)
+            query, key = both[:, : self.num_heads], both[:, self.num_heads :]
+        else:
+            query = query.view(-1, self.num_heads, self.head_dim)
+            key = key.view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                query = self.q_norm.normalize(query)
+                key = self.k_norm.normalize(key)
+            query, key = self.rotary(positions, query, key)
         if self.backend is None or self.key_cache is None or self.value_cache is None:
             raise FailedPreconditionError("attention layer has no KV cache bound")
         out = self.backend.forward(query, key, value, self.key_cache, self.value_cache, metadata)
@@ -217,8 +225,8 @@ class LlamaForCausalLM(nn.Module):
             or hidden.device.type != "cpu"
             or hidden.dtype != weight.dtype
         ):
-            # No float copy: bf16/fp16 -> float32 is exact, so the argmax (ties too) is the same.
-            return self.compute_logits(hidden).argmax(dim=-1)
+            # argmax over float32 (PyTorch's bf16 argmax on CPU is ~5x slower than the copy).
+            return self.compute_logits(hidden).float().argmax(dim=-1)
         slices = -(-vocab // chunk)
         size = slices * rows * chunk
         buffer = self._greedy_buffer

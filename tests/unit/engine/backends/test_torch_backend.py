@@ -64,9 +64,11 @@ def _reference(query, keys, values, context, num_heads, scale):
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (8, 8), (4, 1)])
-@pytest.mark.parametrize("matmul_prefill", [True, False])
+@pytest.mark.parametrize(
+    "matmul_prefill, side_by_side", [(True, True), (True, False), (False, True)]
+)
 def test_matches_reference_over_the_paged_cache(
-    dtype, tolerance, num_heads, num_kv_heads, matmul_prefill, monkeypatch
+    dtype, tolerance, num_heads, num_kv_heads, matmul_prefill, side_by_side, monkeypatch
 ) -> None:
     if not matmul_prefill:
         monkeypatch.setattr(torch_backend, "MATMUL_PREFILL_MIN_QUERIES", 10**9)
@@ -76,8 +78,13 @@ def test_matches_reference_over_the_paged_cache(
     key_cache = torch.randn(shape, generator=generator).to(dtype)
     value_cache = torch.randn(shape, generator=generator).to(dtype)
     tokens = metadata.query_start_loc_host[-1]
-    query = torch.randn(tokens, num_heads, HEAD_DIM, generator=generator).to(dtype)
-    key = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
+    if side_by_side:  # query and key as strided views of one tensor, as the CPU model passes them
+        both = torch.randn(tokens, num_heads + num_kv_heads, HEAD_DIM, generator=generator)
+        both = both.to(dtype)
+        query, key = both[:, :num_heads], both[:, num_heads:]
+    else:
+        query = torch.randn(tokens, num_heads, HEAD_DIM, generator=generator).to(dtype)
+        key = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
     value = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
     scale = HEAD_DIM**-0.5
     backend = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM, scale)

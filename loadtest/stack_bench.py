@@ -10,8 +10,10 @@ stack (gRPC hops, detokenization, per-request streaming), not the model. It
    EngineSession (the engine alone), then through the router's public Generate with text prompts;
 3. reports streamed tokens/s of both and their ratio, tokens per response message, median and p90
    time to first token under that load and idle (one request at a time), the added median TTFT
-   (router minus engine alone, both ways), and each process's CPU microseconds per streamed
-   token (router, engine, tokenizer, and this bench client; from /proc through psutil).
+   (router minus engine alone, both ways; under load also from a separate probe process,
+   loadtest/stack_bench_probe.py, which the load generator's own event loop cannot delay), and
+   each process's CPU microseconds per streamed token (router, engine, tokenizer, and this
+   bench client; from /proc through psutil).
 
     python -m loadtest.stack_bench --model dummy:tiny --concurrency 64 --duration 10
 """
@@ -25,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -83,6 +86,22 @@ def _cpu_sampler(pids: dict[str, int | None]):
     return sample
 
 
+def _prober(target: str, address: str, prompt_ids: list[list[int]]):
+    """A stack_bench_clients.Probe: loadtest/stack_bench_probe.py running next to the load."""
+
+    async def probe(window_start: float, window_end: float) -> list[float]:
+        to_wall = time.time() - time.monotonic()
+        argv = [
+            sys.executable, "-m", "loadtest.stack_bench_probe", target, address,
+            str(window_start + to_wall), str(window_end + to_wall), json.dumps(prompt_ids),
+        ]  # fmt: skip
+        process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+        output, _ = await process.communicate()
+        return json.loads(output) if process.returncode == 0 else []
+
+    return probe
+
+
 def _start_stack(args: argparse.Namespace):
     from services.launcher import Stack, StackConfig
 
@@ -128,9 +147,11 @@ async def run(args: argparse.Namespace) -> dict:
     try:
         prompt_ids = await _tokenize(tokenizer)
         if args.only != "router":
-            results["engine_alone"] = await engine_run(engine, prompt_ids, shape, cpu)
+            probe = _prober("engine", engine, prompt_ids) if args.probe else None
+            results["engine_alone"] = await engine_run(engine, prompt_ids, shape, cpu, probe)
         if args.only != "engine":
-            results["router"] = await router_run(router, shape, cpu)
+            probe = _prober("router", router, prompt_ids) if args.probe else None
+            results["router"] = await router_run(router, shape, cpu, probe)
         if args.only is None and args.idle_samples:
             idle["engine_alone"] = await engine_idle_ttft(engine, prompt_ids, args.idle_samples)
             idle["router"] = await router_idle_ttft(router, args.idle_samples)
@@ -162,6 +183,9 @@ async def run(args: argparse.Namespace) -> dict:
         report["added_ttft_median_ms_under_load"] = (
             router_side["ttft_median_ms"] - engine_side["ttft_median_ms"]
         )
+        report["added_probe_ttft_median_ms_under_load"] = (
+            router_side["probe_ttft_median_ms"] - engine_side["probe_ttft_median_ms"]
+        )
     if idle:
         report["idle_ttft_median_ms"] = {k: percentile(v, 0.5) * 1e3 for k, v in idle.items()}
         report["added_ttft_median_ms_idle"] = (
@@ -192,9 +216,18 @@ def _print(report: dict) -> None:
             for name, us in side["cpu_us_per_token"].items()
         )
         print(f"{'':>15}CPU us/token: {cpu}")
+        if side["probe_samples"]:
+            print(
+                f"{'':>15}probe TTFT under this load (separate process, {side['probe_samples']} "
+                f"requests): median {side['probe_ttft_median_ms']:.1f} ms, p90 "
+                f"{side['probe_ttft_p90_ms']:.1f} ms"
+            )
     if "ratio_router_to_engine" in report:
         print(f"ratio router / engine alone: {report['ratio_router_to_engine']:.3f}")
-        print(f"added median TTFT under load: {report['added_ttft_median_ms_under_load']:.1f} ms")
+        print(
+            f"added median TTFT under load: {report['added_ttft_median_ms_under_load']:.1f} ms "
+            f"(load streams), {report['added_probe_ttft_median_ms_under_load']:.1f} ms (probe)"
+        )
     if "idle_ttft_median_ms" in report:
         idle = report["idle_ttft_median_ms"]
         print(
@@ -239,6 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--stream-interval",
         type=int,
         help="the started router's --stream-interval (tokens per response; default: its own, 1)",
+    )
+    parser.add_argument(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help="skip the latency probe (loadtest/stack_bench_probe.py) next to each load",
     )
     parser.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -66,6 +66,7 @@ class RunResult:
     responses: int = 0  # messages carrying tokens (router: GenerateResponse; engine: updates)
     seconds: float = 0.0
     ttfts_s: list[float] = field(default_factory=list, repr=False)
+    probe_ttfts_s: list[float] = field(default_factory=list, repr=False)  # stack_bench_probe
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # process name -> CPU seconds
 
     @property
@@ -84,6 +85,9 @@ class RunResult:
             "ttft_median_ms": percentile(self.ttfts_s, 0.5) * 1e3,
             "ttft_p90_ms": percentile(self.ttfts_s, 0.9) * 1e3,
             "ttft_samples": len(self.ttfts_s),
+            "probe_ttft_median_ms": percentile(self.probe_ttfts_s, 0.5) * 1e3,
+            "probe_ttft_p90_ms": percentile(self.probe_ttfts_s, 0.9) * 1e3,
+            "probe_samples": len(self.probe_ttfts_s),
             "cpu_us_per_token": {
                 name: seconds / tokens * 1e6 for name, seconds in self.cpu_seconds.items()
             },
@@ -107,15 +111,23 @@ class _Window:
 
 
 CpuSampler = Callable[[], dict[str, float]]
+# Started with the counting window's (start, end) in time.monotonic() seconds; returns the
+# probe's times to first token (loadtest/stack_bench_probe.py), seconds.
+Probe = Callable[[float, float], Awaitable[list[float]]]
 
 
-async def _measure(window: _Window, result: RunResult, cpu: CpuSampler) -> None:
+async def _measure(
+    window: _Window, result: RunResult, cpu: CpuSampler, probe: Probe | None
+) -> None:
+    probing = asyncio.ensure_future(probe(window.start, window.end)) if probe else None
     await asyncio.sleep(max(0.0, window.start - time.monotonic()))
     before = cpu()
     await asyncio.sleep(max(0.0, window.end - time.monotonic()))
     after = cpu()
     result.seconds = window.end - window.start
     result.cpu_seconds = {name: after[name] - before[name] for name in after if name in before}
+    if probing is not None:
+        result.probe_ttfts_s = await probing
 
 
 def params(max_tokens: int) -> common_pb2.SamplingParams:
@@ -129,7 +141,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-async def router_run(address: str, shape: LoadShape, cpu: CpuSampler) -> RunResult:
+async def router_run(
+    address: str, shape: LoadShape, cpu: CpuSampler, probe: Probe | None = None
+) -> RunResult:
     """Closed-loop Generate streams through the router."""
     result = RunResult("router")
     window = _Window(shape)
@@ -159,7 +173,7 @@ async def router_run(address: str, shape: LoadShape, cpu: CpuSampler) -> RunResu
                     first = False
 
         streams = [asyncio.ensure_future(stream(i)) for i in range(shape.concurrency)]
-        await _measure(window, result, cpu)
+        await _measure(window, result, cpu, probe)
         for task in streams:
             task.cancel()  # cancels the calls still running
         await asyncio.gather(*streams, return_exceptions=True)
@@ -167,7 +181,11 @@ async def router_run(address: str, shape: LoadShape, cpu: CpuSampler) -> RunResu
 
 
 async def engine_run(
-    address: str, prompt_ids: list[list[int]], shape: LoadShape, cpu: CpuSampler
+    address: str,
+    prompt_ids: list[list[int]],
+    shape: LoadShape,
+    cpu: CpuSampler,
+    probe: Probe | None = None,
 ) -> RunResult:
     """The same closed loop straight over one EngineSession: the engine by itself."""
     result = RunResult("engine alone")
@@ -229,7 +247,7 @@ async def engine_run(
 
         tasks = [asyncio.ensure_future(write()), asyncio.ensure_future(read())]
         tasks += [asyncio.ensure_future(stream(i)) for i in range(shape.concurrency)]
-        await _measure(window, result, cpu)
+        await _measure(window, result, cpu, probe)
         for task in tasks:
             task.cancel()
         call.cancel()  # the engine aborts the session's requests and frees their blocks

@@ -125,6 +125,8 @@ class TorchAttentionBackend(AttentionBackend):
         flat_keys.index_copy_(0, metadata.slot_mapping, key.to(flat_keys.dtype))
         flat_values.index_copy_(0, metadata.slot_mapping, value.to(flat_values.dtype))
 
+        if not plan.prefills and not query.is_cuda:  # pure decode on CPU: no output copy
+            return self._decode_matmul(query, flat_keys, flat_values, plan)
         output = torch.empty_like(query)
         kernels = sdpa_kernel(_CUDA_SDPA_BACKENDS) if query.is_cuda else contextlib.nullcontext()
         with kernels:

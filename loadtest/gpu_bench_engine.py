@@ -142,6 +142,30 @@ def measure_shape(shape: str, batches: list[int], max_tokens: int) -> dict[str, 
     return result
 
 
+def profile_host(shape: str, batch: int, steps: int = 20) -> None:
+    """cProfile of `steps` steady full-batch decode steps through the engine (host side: the
+    GPU work overlaps), printed by own time: where the per-sequence host cost goes."""
+    import cProfile
+    import pstats
+
+    from services.engine.sampling_params import SamplingParams
+
+    engine = _engine(shape, max_num_seqs=batch, max_batched=8192, max_model_len=4096)
+    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+    for index, prompt in enumerate(_prompts(batch, 512, engine.info.vocab_size, 4)):
+        engine.add_request(f"p{index}", prompt, params)
+    while engine.step().num_batched_tokens != batch:
+        pass
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    print(f"{shape} batch {batch}: {(time.perf_counter() - started) / steps * 1e3:.2f} ms/step")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_bench_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b", help="dummy shapes")
@@ -151,8 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge-into", type=Path, default=None, help="gpu_bench's JSON: add an engine_level part"
     )
+    parser.add_argument(
+        "--profile-batch", type=int, default=0, help="only cProfile steady steps at this batch"
+    )
     args = parser.parse_args(argv)
     import torch
+
+    if args.profile_batch:
+        for shape in args.shapes.split(","):
+            profile_host(shape, args.profile_batch)
+        return 0
 
     report: dict[str, Any] = {
         "device_name": torch.cuda.get_device_name(0),

@@ -193,7 +193,7 @@ class CudaModelRunner(ModelRunner):
         width = max(len(seq.block_table) for seq in sequences)
         if width > self._host_inputs[0].tables.shape[1]:
             raise InvalidArgumentError(f"a block table of {width} blocks exceeds max_model_len")
-        tokens, positions, rows, sources = [], [], [], []
+        tokens, positions, sources = [], [], []
         pending = False
         for seq in sequences:
             token, position = seq.token_ids[0], seq.start_position
@@ -221,15 +221,16 @@ class CudaModelRunner(ModelRunner):
             tokens.append(token)
             positions.append(position)
             sources.append(source)
-            rows.append(table if len(table) == width else table + [0] * (width - len(table)))
         host = self._host_inputs[self.graph_steps % 2]
         host.copies_done.synchronize()  # the copies of two steps ago have left these buffers
         host.ids[:count] = torch.tensor(tokens, dtype=torch.long)
         host.positions[:count] = torch.tensor(positions, dtype=torch.long)
-        host.tables[:count, :width] = torch.tensor(rows, dtype=torch.int32)
+        tables = host.tables_array  # numpy view of the pinned rows: no nested-list tensor
+        for row, seq in enumerate(sequences):
+            tables[row, : len(seq.block_table)] = seq.block_table
         if pending:
             host.sources[:count] = torch.tensor(sources, dtype=torch.long)
-        # Whole rows (contiguous, pinned): entries past a row's blocks are never read.
+        # Whole rows (contiguous, pinned): entries past a row's blocks (stale) are never read.
         outputs = self.fast.decode(
             host.ids[:count],
             host.positions[:count],
@@ -261,6 +262,7 @@ class _HostInputs:
         self.ids = torch.zeros(rows, dtype=torch.long).pin_memory()
         self.positions = torch.zeros(rows, dtype=torch.long).pin_memory()
         self.tables = torch.zeros((rows, width), dtype=torch.int32).pin_memory()
+        self.tables_array = self.tables.numpy()
         self.sources = torch.full((rows,), -1, dtype=torch.long).pin_memory()
         self.copies_done = torch.cuda.Event()
         self.copies_done.record()

@@ -9,6 +9,9 @@ tensor per field, so the per-step overhead stays small at batch 1 and batch 32 a
 Default dtype (`default_dtype`): bfloat16 on CUDA; on CPU bfloat16 when the CPU multiplies
 bf16 natively (AVX512-BF16 or AMX, ~4x the float32 matmul rate on such CPUs, as vLLM's CPU
 backend defaults to), else float32. KV budget per kv_cache.py.
+
+On CPU the runner also packs the linear weights and the LM head for oneDNN once at load
+(layers/linear.py) and tunes glibc malloc to reuse freed activations (keep_freed_cpu_memory).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Layout (shared by every backend): [num_blocks, block_size, num_kv_heads, head_di
 of blocks comes from a memory budget, sized after the weights are loaded: on CPU a byte budget
 (default DEFAULT_CPU_KV_CACHE_BYTES, 512 MiB: ~11,600 tokens of SmolLM2-135M in float32,
 ~23,300 in bfloat16); on CUDA a fraction of the device memory (gpu_memory_utilization) minus
-what is already in use, unless an explicit byte budget is given. Blocks are zeroed so a padded gather never reads NaN.
+what is already in use, unless an explicit byte budget is given. Blocks are zeroed so a padded
+gather never reads NaN.
 """
 
 from __future__ import annotations

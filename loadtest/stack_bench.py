@@ -123,6 +123,7 @@ def _start_stack(args: argparse.Namespace):
 
 
 async def run(args: argparse.Namespace) -> dict:
+    load_average = os.getloadavg()  # before anything of ours starts
     stack = None
     if args.router:
         router, engine, tokenizer = args.router, args.engine, args.tokenizer
@@ -169,7 +170,7 @@ async def run(args: argparse.Namespace) -> dict:
         "duration_s": args.duration,
         "warmup_s": args.warmup,
         "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
+        "load_average_before": load_average,
     }
     for name, result in results.items():
         report[name] = result.summary()
@@ -199,7 +200,7 @@ def _print(report: dict) -> None:
         f"model {report['model']}, {report['concurrency']} streams, max_tokens "
         f"{report['max_tokens']}, stream interval {report['stream_interval']}, "
         f"{report['duration_s']} s counted after {report['warmup_s']} s warm-up; "
-        f"load average before {report['load_average'][0]:.2f}"
+        f"load average before {report['load_average_before'][0]:.2f}"
     )
     for key, label in (("engine_alone", "engine alone"), ("router", "router")):
         if key not in report:

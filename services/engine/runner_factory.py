@@ -36,6 +36,7 @@ def create_model_runner(config: EngineConfig, model_files: ModelFiles) -> Any:
         max_model_len=config.max_model_len,
         backend=config.backend,
         seed=config.seed,
+        cpu_kernels=config.cpu_kernels,
     )
     reason = _why_not_fast(config, model_files, device)
     if reason is not None:

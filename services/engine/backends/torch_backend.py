@@ -10,7 +10,10 @@ prefix-cache hit share one path.
 
 On CPU, attention is batched matmuls around a float32 softmax (layers/cpu_attention.py: ~2-2.5x
 faster than PyTorch's CPU flash kernel for decodes and for prefill chunks of 48+ tokens). Long
-chunks, whose float32 scores would be large, and CUDA use scaled_dot_product_attention.
+chunks, whose float32 scores would be large, and CUDA use scaled_dot_product_attention. With
+native CPU kernels bound (`cpu_kernels`, kernels/cpu_native.py) the KV write is one call and
+decodes read their keys and values straight from the paged cache, each sequence to its own
+length (no gather, no padding, no masks to build).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.engine.backends.base import AttentionBackend, register_backend
+from services.engine.kernels.cpu_native import CpuKernels
 from services.engine.layers import cpu_attention
 from services.engine.layers.attention_metadata import AttentionMetadata
 
@@ -104,8 +108,15 @@ class _StepPlan:
 class TorchAttentionBackend(AttentionBackend):
     """Reference backend; vectorized over the batch for decodes."""
 
+    cpu_kernels: CpuKernels | None = None  # bound by the model runner on CPU
+
+    def _native(self, cache: torch.Tensor) -> CpuKernels | None:
+        kernels = self.cpu_kernels
+        return kernels if kernels is not None and kernels.supports(cache) else None
+
     def prepare(self, metadata: AttentionMetadata) -> None:
-        metadata.backend_state[_STATE_KEY] = _plan(metadata)
+        native = self.cpu_kernels is not None and metadata.slot_mapping.device.type == "cpu"
+        metadata.backend_state[_STATE_KEY] = _plan(metadata, gather_decodes=not native)
 
     def forward(
         self,
@@ -122,8 +133,25 @@ class TorchAttentionBackend(AttentionBackend):
             plan = metadata.backend_state[_STATE_KEY]
         flat_keys = key_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_values = value_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_keys.index_copy_(0, metadata.slot_mapping, key.to(flat_keys.dtype))
-        flat_values.index_copy_(0, metadata.slot_mapping, value.to(flat_values.dtype))
+        native = self._native(key_cache)
+        if native is not None:
+            native.kv_store(key, value, key_cache, value_cache, metadata.slot_mapping)
+            if plan.num_decodes and plan.decode_slots is None:
+                decoded = self._decode_native(
+                    native, query[: plan.num_decodes], key_cache, value_cache, metadata
+                )
+                if not plan.prefills:
+                    return decoded
+                output = torch.empty_like(query)
+                output[: plan.num_decodes] = decoded
+                for chunk in plan.prefills:
+                    output[chunk.token_start : chunk.token_end] = self._prefill(
+                        query, key, value, flat_keys, flat_values, chunk
+                    )
+                return output
+        else:
+            flat_keys.index_copy_(0, metadata.slot_mapping, key.to(flat_keys.dtype))
+            flat_values.index_copy_(0, metadata.slot_mapping, value.to(flat_values.dtype))
 
         if not plan.prefills and not query.is_cuda:  # pure decode on CPU: no output copy
             return self._decode_matmul(query, flat_keys, flat_values, plan)
@@ -152,6 +180,27 @@ class TorchAttentionBackend(AttentionBackend):
             output[chunk.token_start : chunk.token_end] = self._prefill(
                 query, key, value, flat_keys, flat_values, chunk
             )
+
+    def _decode_native(
+        self,
+        native: CpuKernels,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Decode rows (the step's first `len(query)` sequences) from the paged cache."""
+        count = query.shape[0]
+        return native.decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables[:count],
+            metadata.seq_lens[:count],
+            self.num_kv_heads,
+            metadata.block_size,
+            self.scale,
+        )
 
     def _decode_sdpa(
         self,
@@ -248,7 +297,9 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return additive.masked_fill_(~allowed, float("-inf"))
 
 
-def _plan(metadata: AttentionMetadata) -> _StepPlan:
+def _plan(metadata: AttentionMetadata, gather_decodes: bool = True) -> _StepPlan:
+    """The step's decode/prefill split; gather indices and masks for the decodes only when
+    `gather_decodes` (the native CPU kernel reads the block tables itself)."""
     starts = metadata.query_start_loc_host or metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens_host or metadata.seq_lens.tolist()
     context_lens = metadata.context_lens_host or metadata.context_lens.tolist()
@@ -257,9 +308,11 @@ def _plan(metadata: AttentionMetadata) -> _StepPlan:
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
         num_decodes += 1
     device = metadata.slot_mapping.device
-    block_tables = metadata.block_tables.to(torch.int64)
+    block_tables = metadata.block_tables
+    if gather_decodes or num_decodes < len(query_lens):
+        block_tables = block_tables.to(torch.int64)
     decode_slots = decode_mask = decode_blocks = lengths = None
-    if num_decodes:
+    if num_decodes and gather_decodes:
         max_len = max(seq_lens[:num_decodes])
         lengths = metadata.seq_lens[:num_decodes].to(torch.int64)
         decode_slots, valid = _slots_for(block_tables[:num_decodes], max_len, lengths, metadata)

@@ -4,7 +4,8 @@
 contract as vLLM's fused kernel, so a CUDA backend can swap in one kernel for both steps.
 The arithmetic follows Hugging Face (variance in float32, cast back before the weight), except
 on CPU, where PyTorch's fused `rms_norm` applies the weight before the cast (bf16 results may
-differ by one rounding step; float32 ones are the same).
+differ by one rounding step; float32 ones are the same). With native CPU kernels bound
+(`cpu_kernels`, kernels/cpu_native.py) the add and the norm are one pass with those semantics.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.engine.kernels.cpu_native import CpuKernels
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +24,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.cpu_kernels: CpuKernels | None = None  # bound by the model runner on CPU
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
@@ -37,6 +41,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (norm(x + residual), x + residual); with no residual, (norm(x), x)."""
+        kernels = self.cpu_kernels
+        if kernels is not None and x.dim() == 2 and kernels.supports(x):
+            return kernels.rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self.normalize(x), x

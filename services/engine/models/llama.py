@@ -18,6 +18,7 @@ from torch import nn
 
 from services.common.errors import FailedPreconditionError
 from services.engine.backends.base import AttentionBackend
+from services.engine.kernels.cpu_native import CpuKernels
 from services.engine.layers.activation import SiluAndMul
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.layers.linear import pack_weight, packed_linear
@@ -62,6 +63,7 @@ class LlamaAttention(nn.Module):
         self.backend: AttentionBackend | None = None
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.cpu_kernels: CpuKernels | None = None  # bound by the model runner on CPU
 
     def shard_sizes(self, fused: str) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
@@ -77,7 +79,12 @@ class LlamaAttention(nn.Module):
             # the small ops; query and key stay strided views, which the torch backend takes).
             heads = self.num_heads + self.num_kv_heads
             both = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
-            both = self.rotary.rotate(positions, both)
+            kernels = self.cpu_kernels
+            if kernels is not None and kernels.supports(both):  # in place: qkv is ours
+                rotary = self.rotary
+                kernels.rotate_(both, positions, rotary.cos_cache, rotary.sin_cache)
+            else:
+                both = self.rotary.rotate(positions, both)
             query, key = both[:, : self.num_heads], both[:, self.num_heads :]
         else:
             query = query.view(-1, self.num_heads, self.head_dim)
@@ -172,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         self._greedy_buffer: torch.Tensor | None = None  # reused by compute_greedy
         self._packed_head: torch.Tensor | None = None  # set by pack_lm_head (CPU)
+        self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels (CPU)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -194,6 +202,13 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] of every token in the flat batch."""
         return self.model(input_ids, positions, metadata)
 
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """Route the CPU ops that have a native fused kernel through `kernels` (None: PyTorch)."""
+        self.cpu_kernels = kernels
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SiluAndMul, LlamaAttention)):
+                module.cpu_kernels = kernels
+
     def pack_lm_head(self) -> bool:
         """Keep a oneDNN-packed copy of the LM head for CPU (layers/linear.py; ~1.2-3x faster).
 
@@ -212,13 +227,19 @@ class LlamaForCausalLM(nn.Module):
     def compute_greedy(self, hidden: torch.Tensor, chunk: int = GREEDY_CHUNK) -> torch.Tensor:
         """Argmax token of each row, cheaper than `compute_logits(hidden).argmax(-1)` on CPU.
 
-        The LM head writes vocabulary slices of `chunk` columns into one reused buffer
+        With the native CPU kernels: the packed LM head, then their row argmax. Without them,
+        the LM head writes vocabulary slices of `chunk` columns into one reused buffer
         [slices, rows, chunk] (no fresh 10+ MB allocation per step); each row's best slice is
         found with `amax` (vectorised, unlike a full-width argmax) and only that slice is
         argmax-ed. Ties go to the lowest id, exactly as `argmax`.
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         vocab, rows = weight.shape[0], hidden.shape[0]
+        kernels = self.cpu_kernels
+        if kernels is not None and kernels.supports(hidden) and hidden.dtype == weight.dtype:
+            # One packed matmul and a native row argmax: ~2x the slices below on dummy:tiny,
+            # and no float32 copy of the logits for wide models.
+            return kernels.argmax_rows(self.compute_logits(hidden))
         if (
             vocab <= chunk
             or hidden.shape[1] > GREEDY_SLICED_MAX_HIDDEN

@@ -2,7 +2,8 @@
 
 Decodes of mixed lengths and prefill chunks (first prefills and prefix-cache hits, short ones
 on the SDPA path and long ones on the CPU matmul path) in one flat batch; both CPU decode
-layouts (all heads over whole blocks for few KV heads, per-head gather for more).
+layouts (all heads over whole blocks for few KV heads, per-head gather for more), and the
+native CPU kernels (KV write and decodes straight from the paged cache) in the same batches.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import torch
 
 from services.engine.backends import torch_backend
 from services.engine.backends.torch_backend import TorchAttentionBackend
+from services.engine.kernels.cpu_native import cpu_kernels
 from services.engine.layers.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
-HEAD_DIM = 32
 # (tokens already cached, tokens computed this step): decodes first, as the scheduler orders.
 SEQUENCES = [(0, 1), (16, 1), (39, 1), (70, 1), (0, 5), (0, 60), (40, 50), (9, 4)]
 
@@ -65,11 +66,27 @@ def _reference(query, keys, values, context, num_heads, scale):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (8, 8), (4, 1)])
 @pytest.mark.parametrize(
-    "matmul_prefill, side_by_side", [(True, True), (True, False), (False, True)]
+    "matmul_prefill, side_by_side, native, head_dim",
+    [
+        (True, True, False, 32),
+        (True, False, False, 32),
+        (False, True, False, 32),
+        (True, True, True, 64),
+        (True, False, True, 32),
+    ],
 )
 def test_matches_reference_over_the_paged_cache(
-    dtype, tolerance, num_heads, num_kv_heads, matmul_prefill, side_by_side, monkeypatch
+    dtype,
+    tolerance,
+    num_heads,
+    num_kv_heads,
+    matmul_prefill,
+    side_by_side,
+    native,
+    head_dim,
+    monkeypatch,
 ) -> None:
+    HEAD_DIM = head_dim  # noqa: N806 - reads as the constant it was
     if not matmul_prefill:
         monkeypatch.setattr(torch_backend, "MATMUL_PREFILL_MIN_QUERIES", 10**9)
     generator = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
@@ -88,6 +105,9 @@ def test_matches_reference_over_the_paged_cache(
     value = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
     scale = HEAD_DIM**-0.5
     backend = TorchAttentionBackend(num_heads, num_kv_heads, HEAD_DIM, scale)
+    if native:
+        backend.cpu_kernels = cpu_kernels()
+        assert backend.cpu_kernels is not None, "the native CPU kernels did not build"
     backend.prepare(metadata)
     output = backend.forward(query, key, value, key_cache, value_cache, metadata)
 

@@ -1,0 +1,310 @@
+"""Native CPU kernels (cpu_native.cpp), compiled once per machine and called through ctypes.
+
+Why: on CPU, PyTorch eager runs each small op of a decoder layer (residual add, RMSNorm,
+rotary, the KV-cache write, silu * up) as its own dispatch and pass over memory, and decode
+attention as a gather of every sequence's KV blocks, padded to the longest, followed by
+batched matmuls and a softmax. At batch 32 on SmolLM2 that was ~40 % of a decode step; the
+fused kernels here read each KV row once, straight from the paged cache, and make one pass per
+fused op (measured figures in BENCHMARKS.md, "Engine on CPU").
+
+How: `cpu_kernels()` compiles the C++ file with the system's g++ (`-O3 -march=native
+-fopenmp`) into the cache directory (`SLUICE_CACHE_DIR`/kernels, named by a digest of the
+source, the flags, the compiler and the CPU's features), so the first start pays ~5-10 s and
+later ones load the library at once. No compiler, a failed build or a failed self-check leave
+the engine on its PyTorch ops (logged once). The library links no PyTorch or Python headers:
+kernels take raw data pointers, so it builds in seconds and never breaks across PyTorch
+versions. ctypes releases the GIL during each call. float32 and bfloat16 only; the callers
+keep the PyTorch path for other dtypes and devices.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from services.common.env import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_native.cpp")
+COMPILER = "g++"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 300
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# Each kernel's C signature (cpu_native.cpp): pointers, int64 sizes/strides, float, int threads.
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "rms_norm": (_P, _I, _P, _P, _P, _P, _I, _I, _F, _T),
+    "silu_mul": (_P, _P, _I, _I, _T),
+    "rotary": (_P, _I, _I, _I, _I, _P, _P, _P, _T),
+    "kv_store": (_P, _I, _P, _I, _P, _P, _P, _I, _I),
+    "decode_attention": (_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _T),
+    "argmax_rows": (_P, _I, _I, _I, _P, _T),
+}
+
+_lock = threading.Lock()
+_loaded: CpuKernels | None = None
+_tried = False
+
+
+class CpuKernels:
+    """Typed wrappers over the compiled library; every method takes and returns CPU tensors."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for dtype, suffix in _SUFFIX.items():
+            for name, argtypes in _SIGNATURES.items():
+                function = getattr(library, f"sluice_{name}_{suffix}")
+                function.argtypes = argtypes
+                function.restype = None
+                self._functions[(name, dtype)] = function
+
+    @staticmethod
+    def supports(tensor: torch.Tensor) -> bool:
+        """Whether `tensor` (device and dtype) can go through these kernels."""
+        return tensor.device.type == "cpu" and tensor.dtype in _SUFFIX
+
+    def _call(self, name: str, dtype: torch.dtype, *args: int | float | None) -> None:
+        self._functions[(name, dtype)](*args)
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual) * weight, x + residual); x [rows, dim] (rows may be strided)."""
+        rows, dim = x.shape
+        _check_rows(x, "x")
+        weight = _same_dtype(weight, x.dtype)
+        out = torch.empty((rows, dim), dtype=x.dtype)
+        if residual is None:
+            kept, residual_pointer, kept_pointer = x, None, None
+        else:
+            residual = residual.contiguous()
+            kept = torch.empty((rows, dim), dtype=x.dtype)
+            residual_pointer, kept_pointer = residual.data_ptr(), kept.data_ptr()
+        self._call(
+            "rms_norm", x.dtype, x.data_ptr(), x.stride(0), residual_pointer, weight.data_ptr(),
+            out.data_ptr(), kept_pointer, rows, dim, eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out, kept
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate_up[:, :half]) * gate_up[:, half:] for gate_up [rows, 2 * half]."""
+        gate_up = gate_up.contiguous()
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._call(
+            "silu_mul", gate_up.dtype, gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rotate_(
+        self,
+        heads: torch.Tensor,
+        positions: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotary embedding in place on heads [tokens, num_heads, dim] (rows may be strided).
+
+        cos/sin tables: float32 [max_positions, dim] with equal halves. Positions must lie in
+        the table (the model runner checks them against max_model_len).
+        """
+        tokens, num_heads, dim = heads.shape
+        _check_heads(heads, "rotary heads")
+        positions = positions.to(torch.int64).contiguous()
+        _check_index(cos_table, torch.float32, "cos_table")
+        _check_index(sin_table, torch.float32, "sin_table")
+        self._call(
+            "rotary", heads.dtype, heads.data_ptr(), heads.stride(0), tokens, num_heads, dim,
+            positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return heads
+
+    def kv_store(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Write key/value [tokens, kv_heads, dim] into the caches at `slots` (int64)."""
+        key, value = _same_dtype(key, key_cache.dtype), _same_dtype(value, key_cache.dtype)
+        _check_heads(key, "key")
+        _check_heads(value, "value")
+        tokens, kv_heads, dim = key.shape
+        _check_index(slots, torch.int64, "slots")
+        self._call(
+            "kv_store", key_cache.dtype, key.data_ptr(), key.stride(0), value.data_ptr(),
+            value.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
+            tokens, kv_heads * dim,
+        )  # fmt: skip
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_kv_heads: int,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query per sequence over its paged cache; query [B, H, D] → out [B, H, D].
+
+        block_tables [B, max_blocks] int32 (each row covers its seq_lens entry), seq_lens [B]
+        int32 keys per sequence. The caches are [blocks, block_size, KVH, D], contiguous.
+        """
+        batch, heads, dim = query.shape
+        if query.stride(2) != 1:
+            raise ValueError("query heads must be contiguous")
+        query = _same_dtype(query, key_cache.dtype)
+        _check_index(seq_lens, torch.int32, "seq_lens")
+        if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+            raise ValueError("block_tables must be int32 with contiguous rows")
+        out = torch.empty((batch, heads, dim), dtype=query.dtype)
+        self._call(
+            "decode_attention", query.dtype, query.data_ptr(), query.stride(0), query.stride(1),
+            key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, heads,
+            num_kv_heads, dim, block_size, scale, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """int64 index of each row's maximum (the first on ties, as torch.argmax)."""
+        rows, width = values.shape
+        _check_rows(values, "values")
+        result = torch.empty(rows, dtype=torch.int64)
+        self._call(
+            "argmax_rows", values.dtype, values.data_ptr(), values.stride(0), rows, width,
+            result.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return result
+
+
+def cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, building them on first use; None where they cannot be had."""
+    global _loaded, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _loaded = _load()
+        return _loaded
+
+
+def library_path() -> Path:
+    """Where this machine's build of the library lives (named by everything it depends on)."""
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(" ".join((COMPILER, *FLAGS)).encode())
+    digest.update(_compiler_version().encode())
+    digest.update(_cpu_features().encode())
+    return Path(cache_dir()) / "kernels" / f"cpu_native-{digest.hexdigest()[:16]}.so"
+
+
+def build(target: Path) -> None:
+    """Compile the library to `target` (atomically: a temporary file, then a rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(descriptor)
+    try:
+        command = [COMPILER, *FLAGS, str(SOURCE), "-o", temporary]
+        completed = subprocess.run(
+            command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
+        )
+        if completed.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{completed.stderr[-2000:]}")
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _load() -> CpuKernels | None:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        logger.info("native CPU kernels: not built on %s/%s", platform.system(), platform.machine())
+        return None
+    if shutil.which(COMPILER) is None:
+        logger.warning("native CPU kernels off: no %s on PATH (PyTorch ops instead)", COMPILER)
+        return None
+    try:
+        path = library_path()
+        if not path.exists():
+            logger.info("building native CPU kernels into %s", path)
+            build(path)
+        kernels = CpuKernels(ctypes.CDLL(str(path)))
+        _self_check(kernels)
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        logger.warning("native CPU kernels off (PyTorch ops instead): %s", exc)
+        return None
+    logger.info("native CPU kernels loaded from %s", path)
+    return kernels
+
+
+def _self_check(kernels: CpuKernels) -> None:
+    """One small call of each numerically involved kernel against PyTorch; raises on mismatch."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, generator=generator)
+    weight = torch.rand(40, generator=generator)
+    out, _ = kernels.rms_norm(x, None, weight, 1e-6)
+    expected = torch.nn.functional.rms_norm(x, (40,), weight, 1e-6)
+    values = torch.randn(5, 1000, generator=generator)
+    if not torch.allclose(out, expected, atol=1e-5) or not torch.equal(
+        kernels.argmax_rows(values), values.argmax(-1)
+    ):
+        raise RuntimeError("self-check against PyTorch failed")
+
+
+def _check_rows(tensor: torch.Tensor, name: str) -> None:
+    if tensor.dim() != 2 or tensor.stride(1) != 1:
+        raise ValueError(f"{name} must be [rows, width] with contiguous rows")
+
+
+def _check_index(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if tensor.dtype != dtype or not tensor.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor")
+
+
+def _check_heads(tensor: torch.Tensor, name: str) -> None:
+    if tensor.stride(2) != 1 or tensor.stride(1) != tensor.shape[2]:
+        raise ValueError(f"{name} must be contiguous within a token")
+
+
+def _same_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+def _compiler_version() -> str:
+    try:
+        completed = subprocess.run(
+            [COMPILER, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return completed.stdout.splitlines()[0] if completed.stdout else ""
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (the build uses -march=native)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return line.strip()
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,159 @@
+"""The native CPU kernels (kernels/cpu_native.cpp) against PyTorch, and their build and fallback.
+
+The library is built here with the machine's g++ (CI has it: scripts/setup.sh installs it), so a
+broken build fails these tests instead of silently leaving the engine on its slower path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.kernels import cpu_native
+from services.engine.layers.rotary import RotaryEmbedding
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_native.CpuKernels:
+    loaded = cpu_native.cpu_kernels()
+    assert loaded is not None, "the native CPU kernels did not build (see the log)"
+    return loaded
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("dim", [576, 40, 7])  # lane multiple, tail, narrower than one lane group
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_matches_torch(kernels, dtype, tolerance, dim, with_residual) -> None:
+    generator = torch.Generator().manual_seed(dim)
+    wide = torch.randn(5, dim + 3, generator=generator).to(dtype)
+    x = wide[:, :dim]  # strided rows, as a slice of a wider activation
+    residual = torch.randn(5, dim, generator=generator).to(dtype) if with_residual else None
+    weight = torch.rand(dim, generator=generator).to(dtype)
+    out, kept = kernels.rms_norm(x, residual, weight, 1e-5)
+    summed = x + residual if with_residual else x
+    assert torch.equal(kept, summed)  # the sum is rounded to the dtype exactly as eager adds it
+    expected = F.rms_norm(summed, (dim,), weight, 1e-5)
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("half", [1536, 24])
+def test_silu_mul_matches_torch(kernels, dtype, tolerance, half) -> None:
+    gate_up = (torch.randn(4, 2 * half, generator=torch.Generator().manual_seed(1)) * 6).to(dtype)
+    expected = F.silu(gate_up[:, :half]) * gate_up[:, half:]
+    torch.testing.assert_close(kernels.silu_mul(gate_up), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rotary_in_place_matches_the_model_rotary(kernels, dtype, tolerance, head_dim) -> None:
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0)
+    generator = torch.Generator().manual_seed(head_dim)
+    fused = torch.randn(6, 5 * head_dim, generator=generator).to(dtype)  # 3 q, 1 k, 1 v heads
+    heads = fused[:, : 4 * head_dim].view(6, 4, head_dim)
+    positions = torch.tensor([0, 1, 7, 100, 255, 511])
+    expected = rotary.rotate(positions, heads.clone())
+    untouched = fused[:, 4 * head_dim :].clone()
+    kernels.rotate_(heads, positions, rotary.cos_cache, rotary.sin_cache)
+    torch.testing.assert_close(heads, expected, atol=tolerance * 2, rtol=tolerance)
+    assert torch.equal(fused[:, 4 * head_dim :], untouched)  # only the rotated heads change
+
+
+def test_kv_store_writes_each_token_to_its_slot(kernels) -> None:
+    cache_shape = (8, 4, 2, 16)  # blocks, block size, KV heads, head dim
+    key_cache, value_cache = torch.zeros(cache_shape), torch.zeros(cache_shape)
+    qkv = torch.randn(3, 4 * 16 + 2 * 2 * 16)
+    key = qkv[:, 64:96].view(3, 2, 16)
+    value = qkv[:, 96:].view(3, 2, 16)
+    slots = torch.tensor([5, 0, 31])
+    kernels.kv_store(key, value, key_cache, value_cache, slots)
+    flat_keys, flat_values = key_cache.view(-1, 2, 16), value_cache.view(-1, 2, 16)
+    assert torch.equal(flat_keys[slots], key) and torch.equal(flat_values[slots], value)
+    others = torch.ones(32, dtype=torch.bool)
+    others[slots] = False
+    assert not flat_keys[others].any() and not flat_values[others].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_torch_first_index_on_ties(kernels, dtype) -> None:
+    values = torch.randn(7, 49152 + 5, generator=torch.Generator().manual_seed(3)).to(dtype)
+    values[2, 100] = values[2, 40000] = 50.0  # a tie across chunks: the first wins
+    values[3, :] = 1.0  # all equal: index 0
+    values[4, -1] = 60.0  # the tail past the last full chunk
+    assert torch.equal(kernels.argmax_rows(values), values.float().argmax(-1))
+    strided = values[:, 10:1000]
+    assert torch.equal(kernels.argmax_rows(strided), strided.float().argmax(-1))
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the two register-blocked sizes, generic
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])
+def test_decode_attention_matches_a_float64_reference(
+    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads
+) -> None:
+    generator = torch.Generator().manual_seed(head_dim + num_heads)
+    block_size, num_blocks = 16, 40
+    lengths = [1, 15, 16, 17, 70, 130]
+    permutation = torch.randperm(num_blocks, generator=generator).tolist()
+    width = -(-max(lengths) // block_size)
+    tables = [[permutation.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    query = torch.randn(len(lengths), num_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    out = kernels.decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        torch.tensor(lengths, dtype=torch.int32),
+        num_kv_heads,
+        block_size,
+        scale,
+    )
+    group = num_heads // num_kv_heads
+    for row, (length, table) in enumerate(zip(lengths, tables, strict=True)):
+        positions = torch.arange(length)
+        blocks = torch.tensor(table)[positions // block_size]
+        keys = key_cache[blocks, positions % block_size].double()  # [L, KVH, D]
+        values = value_cache[blocks, positions % block_size].double()
+        for head in range(num_heads):
+            weights = (keys[:, head // group] @ query[row, head].double() * scale).softmax(-1)
+            expected = weights @ values[:, head // group]
+            torch.testing.assert_close(
+                out[row, head].double(), expected, atol=tolerance, rtol=tolerance
+            )
+
+
+def test_library_is_built_once_and_named_by_its_inputs(kernels, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_native, "cache_dir", lambda: str(tmp_path))
+    path = cpu_native.library_path()
+    assert path.parent == tmp_path / "kernels" and not path.exists()
+    cpu_native.build(path)
+    assert path.exists() and list(path.parent.iterdir()) == [path]  # no temporary left behind
+    monkeypatch.setattr(cpu_native, "FLAGS", (*cpu_native.FLAGS, "-DSLUICE_TEST_FLAG"))
+    assert cpu_native.library_path() != path  # other flags, another build
+
+
+def test_no_compiler_leaves_pytorch_ops_and_says_so(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(cpu_native, "COMPILER", "sluice-no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert cpu_native._load() is None
+    assert "no sluice-no-such-compiler on PATH" in caplog.text
+
+
+def test_failed_build_leaves_pytorch_ops(monkeypatch, tmp_path, caplog) -> None:
+    bad_source = tmp_path / "broken.cpp"
+    bad_source.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_native, "SOURCE", bad_source)
+    monkeypatch.setattr(cpu_native, "cache_dir", lambda: str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert cpu_native._load() is None
+    assert "failed" in caplog.text and not list((tmp_path / "kernels").glob("*.so"))

@@ -3,7 +3,9 @@
 The issue-3 stack benchmark needs the engine step of `dummy:tiny` well under ~4 ms at 64
 sequences, so this drives an LLMEngine in-process with `--concurrency` closed-loop greedy
 requests (`ignore_eos`, `--max-tokens` each, refilled as they finish) for `--duration` seconds
-and prints tokens/s and the mean step time. `--profile FILE` writes a cProfile of the run.
+and prints tokens/s, the mean step time and its host share: the mean time per step outside the
+runner's forward (scheduling, the runner's `prepare_inputs`, stop checks, deltas), which this
+machine's noise in the forward does not swamp. `--profile FILE` writes a cProfile of the run.
 
     python -m loadtest.engine_step_bench --model dummy:tiny --concurrency 64 --duration 10
 """
@@ -15,6 +17,8 @@ import cProfile
 import json
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
@@ -48,7 +52,10 @@ def run(args: argparse.Namespace) -> dict:
     """Drive the engine for `args.duration` seconds; tokens/s and mean step time."""
     import torch
 
-    engine = LLMEngine(EngineConfig(model=args.model or None, dtype=args.dtype))
+    config = EngineConfig(model=args.model or None, dtype=args.dtype)
+    runner, _ = LLMEngine._build_runner(config)
+    forward_s = _time_forward(runner)
+    engine = LLMEngine(config, model_runner=runner)
     if args.threads is not None:  # after the runner, which picks 1 thread for tiny models
         torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -70,6 +77,7 @@ def run(args: argparse.Namespace) -> dict:
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
+    forward_s[0] = 0.0
     start = time.perf_counter()
     while time.perf_counter() - start < args.duration:
         out = engine.step()
@@ -89,8 +97,32 @@ def run(args: argparse.Namespace) -> dict:
         "threads": torch.get_num_threads(),
         "tokens_per_s": round(tokens / elapsed, 1),
         "mean_step_ms": round(1000 * elapsed / max(steps, 1), 3),
+        "host_ms_per_step": round(1000 * (elapsed - forward_s[0]) / max(steps, 1), 3),
         "steps": steps,
     }
+
+
+def _time_forward(runner: Any) -> list[float]:
+    """Wrap the runner so that a one-item list accumulates the seconds of its forward passes
+    (`execute` / `execute_greedy`), less the host work of `prepare_inputs` inside them."""
+    total = [0.0]
+
+    def timed(method: Callable[..., Any], sign: float) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                total[0] += sign * (time.perf_counter() - started)
+
+        return wrapper
+
+    for name in ("execute", "execute_greedy"):
+        if hasattr(runner, name):
+            setattr(runner, name, timed(getattr(runner, name), 1.0))
+    if hasattr(runner, "prepare_inputs"):
+        runner.prepare_inputs = timed(runner.prepare_inputs, -1.0)
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,7 @@ class LLMEngine(OverlappedSteps):
             dtype=str(model_runner.dtype).removeprefix("torch."),
         )
         self._eos = frozenset(eos)
+        self._max_model_len = max_model_len
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[SequenceDelta] = []
         self._seq_ids = itertools.count()
@@ -234,12 +235,7 @@ class LLMEngine(OverlappedSteps):
                 token_tensor = self._execute_greedy(plan.batch)
             else:
                 logits = self.runner.execute(plan.batch)
-            to_sample: list[Sequence] = []
-            for seq, count in plan.scheduled:
-                seq.num_computed_tokens += count
-                self.block_manager.register_computed_blocks(seq)
-                if seq.num_computed_tokens == seq.num_tokens:
-                    to_sample.append(seq)
+            to_sample = self._advance(plan.scheduled)
             if not to_sample:
                 sampled = None
             elif greedy:
@@ -266,6 +262,21 @@ class LLMEngine(OverlappedSteps):
                 deltas.append(self._delta(seq, [token], logprob, reason))
         return StepOutput(deltas, self.load(), time.perf_counter() - started, num_tokens)
 
+    def _advance(self, scheduled: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Count the step's tokens as computed, register newly full blocks in the prefix cache;
+        the sequences that sample this step (their last known token was computed)."""
+        register = self.block_manager.register_computed_blocks
+        block_size = self.block_manager.block_size
+        to_sample: list[Sequence] = []
+        for seq, count in scheduled:
+            computed = seq.num_computed_tokens + count
+            seq.num_computed_tokens = computed
+            if computed // block_size > seq.num_hashed_blocks:  # a block became full
+                register(seq)
+            if computed == len(seq.token_ids):
+                to_sample.append(seq)
+        return to_sample
+
     def _plain_greedy(self, scheduled: list[tuple[Sequence, int]]) -> bool:
         """Whether every scheduled sequence samples plain argmax (the sampler would do nothing
         else): temperature 0, no logprobs, no penalties, min_tokens reached. Then the runner's
@@ -288,15 +299,15 @@ class LLMEngine(OverlappedSteps):
     def _stop_reason(self, seq: Sequence, token: int, pending: int = 0) -> FinishReason | None:
         """Why `seq` stops at `token` (its newest token, `pending` placeholders after it)."""
         params = seq.params
-        num_outputs = seq.num_output_tokens - pending
+        num_outputs = len(seq.output_token_ids) - pending
         if num_outputs >= params.min_tokens:
             if token in self._eos and not params.ignore_eos:
                 return FinishReason.STOP
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 return FinishReason.STOP
         if num_outputs >= params.max_tokens:
             return FinishReason.LENGTH
-        if seq.num_tokens - pending >= self.info.max_model_len:
+        if len(seq.token_ids) - pending >= self._max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -316,12 +327,13 @@ class LLMEngine(OverlappedSteps):
         reason: FinishReason | None,
     ) -> SequenceDelta:
         return SequenceDelta(
-            request_id=seq.request_id,
-            new_token_ids=tokens,
-            logprobs=[logprob] if logprob is not None else None,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens - seq.num_pending_tokens,
-            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+            seq.request_id,
+            tokens,
+            [logprob] if logprob is not None else None,
+            reason is not None,
+            reason,
+            None,
+            len(seq.prompt_token_ids),
+            len(seq.output_token_ids) - seq.num_pending_tokens,
+            seq.num_cached_prompt_tokens,
         )

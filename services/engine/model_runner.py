@@ -162,6 +162,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat tensors of one step: token ids, positions and the attention metadata."""
         block_size = self.block_size
+        max_model_len = self.model_config.max_model_len
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -170,37 +171,43 @@ class ModelRunner:
         context_lens: list[int] = []
         logits_indices: list[int] = []
         max_blocks = 0
+        max_query_len = 0
+        total = 0
         for seq in batch.sequences:
             count = len(seq.token_ids)
-            start, end = seq.start_position, seq.start_position + count
+            start = seq.start_position
+            end = start + count
+            table = seq.block_table
+            num_blocks = len(table)
             if count == 0:
                 raise InvalidArgumentError(f"sequence {seq.seq_id} schedules no tokens")
-            if len(seq.block_table) * block_size < end:
+            if num_blocks * block_size < end:
                 raise InvalidArgumentError(
-                    f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {end} tokens"
+                    f"sequence {seq.seq_id}: {num_blocks} blocks cannot hold {end} tokens"
                 )
-            if end > self.model_config.max_model_len:
+            if end > max_model_len:
                 raise InvalidArgumentError(
                     f"sequence {seq.seq_id} reaches {end} tokens, over max_model_len "
-                    f"{self.model_config.max_model_len}"
+                    f"{max_model_len}"
                 )
-            token_ids.extend(seq.token_ids)
-            if count == 1:
+            token_ids += seq.token_ids
+            if count == 1:  # a decode: one position, one slot
                 positions.append(start)
-                slots.append(seq.block_table[start // block_size] * block_size + start % block_size)
+                slots.append(table[start // block_size] * block_size + start % block_size)
             else:
-                table = seq.block_table
                 span = range(start, end)
-                positions.extend(span)
-                slots.extend(
-                    table[pos // block_size] * block_size + pos % block_size for pos in span
-                )
-            query_start_loc.append(query_start_loc[-1] + count)
+                positions += span
+                slots += [table[pos // block_size] * block_size + pos % block_size for pos in span]
+            total += count
+            query_start_loc.append(total)
             seq_lens.append(end)
             context_lens.append(start)
             if seq.needs_logits:
-                logits_indices.append(query_start_loc[-1] - 1)
-            max_blocks = max(max_blocks, len(seq.block_table))
+                logits_indices.append(total - 1)
+            if num_blocks > max_blocks:
+                max_blocks = num_blocks
+            if count > max_query_len:
+                max_query_len = count
         vocab = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise InvalidArgumentError(f"token ids must be in [0, {vocab})")
@@ -214,9 +221,9 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            max_query_len=max(len(seq.token_ids) for seq in batch.sequences),
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
-            is_pure_decode=all(len(seq.token_ids) == 1 for seq in batch.sequences),
+            is_pure_decode=max_query_len == 1,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             block_size=block_size,
             query_start_loc_host=query_start_loc,

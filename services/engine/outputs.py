@@ -28,7 +28,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceDelta:
     """One request's news from one engine step."""
 

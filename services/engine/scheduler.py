@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from services.common.errors import ResourceExhaustedError
 from services.engine.block_manager import BlockManager
@@ -42,9 +43,13 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def _rank(seq: Sequence) -> tuple[int, int]:
-    """Scheduling order: lower priority value first, then earlier arrival."""
-    return (seq.priority, seq.arrival)
+# Scheduling order: lower priority value first, then earlier arrival (a C-level key).
+_rank = attrgetter("priority", "arrival")
+
+
+def _cached_one_token_last(item: tuple[Sequence, int]) -> bool:
+    """Sort key that puts one-token steps of sequences with cached tokens first."""
+    return not (item[1] == 1 and item[0].num_computed_tokens > 0)
 
 
 class Scheduler:
@@ -104,27 +109,45 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]] = []
 
         # Running sequences: decodes first, then chunked prefills, each group by rank.
-        candidates = sorted(
-            self.running, key=lambda seq: (seq.num_uncomputed_tokens > 1, _rank(seq))
-        )
+        running_decodes: list[Sequence] = []
+        running_prefills: list[Sequence] = []
+        for seq in self.running:
+            if len(seq.token_ids) - seq.num_computed_tokens > 1:
+                running_prefills.append(seq)
+            else:
+                running_decodes.append(seq)
+        running_decodes.sort(key=_rank)
+        running_prefills.sort(key=_rank)
+        candidates = running_decodes + running_prefills
         kept: list[Sequence] = []
-        while candidates and budget > 0:
-            seq = candidates.pop(0)
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
-                victim = max([*candidates, seq], key=_rank)
-                if victim is not seq:
-                    candidates.remove(victim)
-                self._preempt(victim, output)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
+        slots_per_block = self.block_manager.block_size
+        uncached_decode = False  # a one-token prompt: it goes after the cached one-token steps
+        index = 0
+        while index < len(candidates) and budget > 0:
+            seq = candidates[index]
+            index += 1
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            num_tokens = min(uncomputed, budget)
+            needed_slots = seq.num_computed_tokens + num_tokens
+            # Most steps need no new block (a decode inside its last block): skip the manager.
+            if needed_slots > len(seq.block_table) * slots_per_block:
+                while not self.block_manager.allocate(seq, needed_slots):
+                    victim = max([*candidates[index:], seq], key=_rank)
+                    if victim is not seq:
+                        candidates.remove(victim)
+                    self._preempt(victim, output)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
             kept.append(seq)
             budget -= num_tokens
-            target = decodes if seq.num_uncomputed_tokens == 1 else prefills
-            target.append((seq, num_tokens))
-        kept.extend(candidates)  # not scheduled this step (budget spent), still running
+            if uncomputed == 1:
+                decodes.append((seq, num_tokens))
+                uncached_decode = uncached_decode or seq.num_computed_tokens == 0
+            else:
+                prefills.append((seq, num_tokens))
+        kept.extend(candidates[index:])  # not scheduled this step (budget spent), still running
         self.running = kept
 
         # Admit waiting requests while budget, sequence slots and blocks allow.
@@ -134,20 +157,23 @@ class Scheduler:
         # One-token steps of sequences with cached tokens (decodes, and prompts whose prefix
         # came from the cache or a previous chunk) go first: the runner relies on that order.
         planned = decodes + prefills
-        planned.sort(key=lambda item: not (item[1] == 1 and item[0].num_computed_tokens > 0))
+        if prefills or uncached_decode:
+            planned.sort(key=_cached_one_token_last)
+        batch_sequences = output.batch.sequences
         for seq, num_tokens in planned:
             start = seq.num_computed_tokens
-            output.batch.sequences.append(
+            end = start + num_tokens
+            batch_sequences.append(
                 ScheduledSequence(
-                    seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[start : start + num_tokens],
-                    start_position=start,
-                    block_table=list(seq.block_table),
-                    needs_logits=start + num_tokens == seq.num_tokens,
-                    adapter_slot=seq.adapter_slot,
+                    seq.seq_id,
+                    seq.token_ids[start:end],
+                    start,
+                    list(seq.block_table),
+                    end == len(seq.token_ids),
+                    seq.adapter_slot,
                 )
             )
-            output.scheduled.append((seq, num_tokens))
+        output.scheduled = planned
         return output
 
     def _admit(self, budget: int, prefills: list[tuple[Sequence, int]]) -> None:

@@ -130,3 +130,34 @@ def test_finish_frees_blocks_in_any_state():
     scheduler.finish(waiting)
     assert not scheduler.has_unfinished()
     assert scheduler.block_manager.num_free_blocks == 8
+
+
+def test_decodes_get_a_new_block_only_at_a_block_boundary():
+    scheduler = make_scheduler(block_size=4)
+    seq = make_seq(3, max_tokens=8)
+    scheduler.add(seq)
+    tables = []
+    for _ in range(4):
+        output = scheduler.schedule()
+        assert output.batch.sequences[0].block_table == seq.block_table
+        tables.append(len(seq.block_table))
+        complete_step(scheduler, output)
+    # prompt 3 tokens (1 block), decodes at positions 3 (same block), 4, 5 (second block)
+    assert tables == [1, 1, 2, 2]
+    batch_seq = scheduler.schedule().batch.sequences[0]
+    assert batch_seq.start_position == 6 and batch_seq.needs_logits
+
+
+def test_one_token_prompt_goes_after_cached_decodes():
+    scheduler = make_scheduler()
+    decoding = make_seq(2)
+    scheduler.add(decoding)
+    complete_step(scheduler, scheduler.schedule())
+    single = make_seq(1, priority=-1)  # ranks first, but has nothing cached
+    scheduler.add(single)
+    output = scheduler.schedule()
+    assert [seq for seq, _ in output.scheduled] == [decoding, single]
+    assert [len(s.token_ids) for s in output.batch.sequences] == [1, 1]
+    # next step both are cached one-token decodes, in rank order
+    complete_step(scheduler, output)
+    assert [seq for seq, _ in scheduler.schedule().scheduled] == [single, decoding]

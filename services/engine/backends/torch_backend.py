@@ -152,6 +152,8 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             flat_keys.index_copy_(0, metadata.slot_mapping, key.to(flat_keys.dtype))
             flat_values.index_copy_(0, metadata.slot_mapping, value.to(flat_values.dtype))
+            if plan.num_decodes and plan.decode_slots is None:  # planned for a native kernel
+                plan = metadata.backend_state[_STATE_KEY] = _plan(metadata)
 
         if not plan.prefills and not query.is_cuda:  # pure decode on CPU: no output copy
             return self._decode_matmul(query, flat_keys, flat_values, plan)

@@ -124,3 +124,26 @@ def test_matches_reference_over_the_paged_cache(
             query[rows], flat_keys[cached], flat_values[cached], context, num_heads, scale
         )
         torch.testing.assert_close(output[rows].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_decodes_planned_for_the_native_kernel_still_run_on_pytorch_ops() -> None:
+    """A step planned with the native kernels bound (no gather indices) but run where they do
+    not apply (e.g. a dtype they lack) re-plans and gives the same output."""
+    generator = torch.Generator().manual_seed(5)
+    metadata, _ = _metadata(generator)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, 2, 32)
+    key_cache, value_cache = torch.randn(shape, generator=generator), torch.randn(shape)
+    tokens = metadata.query_start_loc_host[-1]
+    query = torch.randn(tokens, 4, 32, generator=generator)
+    key, value = torch.randn(tokens, 2, 32), torch.randn(tokens, 2, 32)
+    plain = TorchAttentionBackend(4, 2, 32, 32**-0.5)
+    plain.prepare(metadata)
+    expected = plain.forward(query, key, value, key_cache.clone(), value_cache.clone(), metadata)
+
+    metadata.backend_state.clear()
+    mixed = TorchAttentionBackend(4, 2, 32, 32**-0.5)
+    mixed.cpu_kernels = cpu_kernels()
+    mixed.prepare(metadata)  # planned for the native decode path
+    mixed.cpu_kernels = None
+    output = mixed.forward(query, key, value, key_cache, value_cache, metadata)
+    torch.testing.assert_close(output, expected)

@@ -317,38 +317,42 @@ void kv_store(const T* key, int64_t key_stride, const T* value, int64_t value_st
   }
 }
 
-// Decode attention of one (sequence, KV head) for head_dim = kChunks * 16: the `group` query
-// heads sharing the KV head. Each key and value row is read from the paged cache once, into a
-// float32 scratch row (contiguous, cache-resident), and the products run from there with the
-// accumulators in registers. scratch: 2 * length * dim + group * length floats.
+// Decode attention of one sequence, all its heads, for head_dim = kChunks * 16. The sequence's
+// cache blocks are read once, whole ([block_size, kv_heads * dim] each, contiguous: streaming
+// reads the prefetchers follow), into float32 scratch rows; the products run from there with
+// the accumulators in registers. queries: [heads, dim] float32, already scaled; out [heads,
+// dim]; scratch: 2 * length * kv_heads * dim + length floats.
 template <typename T, int kChunks>
 void attend_fixed(const float* queries, const T* key_cache, const T* value_cache,
-                  const int32_t* table, int64_t length, int64_t kv_heads, int64_t kv_head,
-                  int64_t group, int64_t block_size, float* scratch_rows, float* out) {
+                  const int32_t* table, int64_t length, int64_t kv_heads, int64_t group,
+                  int64_t block_size, float* scratch_rows, float* out) {
   constexpr int64_t dim = kChunks * kLanes;
+  const int64_t width = kv_heads * dim;
   float* keys = scratch_rows;
-  float* values = keys + length * dim;
-  float* scores = values + length * dim;
-  for (int64_t pos = 0; pos < length; ++pos) {
-    const int64_t slot =
-        static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-    const int64_t offset = (slot * kv_heads + kv_head) * dim;
-    for (int c = 0; c < kChunks; ++c) {
-      lanes_store(keys + pos * dim + c * kLanes, lanes_load(key_cache + offset + c * kLanes));
-      lanes_store(values + pos * dim + c * kLanes,
-                  lanes_load(value_cache + offset + c * kLanes));
+  float* values = keys + length * width;
+  float* s = values + length * width;
+  for (int64_t first = 0; first < length; first += block_size) {
+    const int64_t rows = first + block_size < length ? block_size : length - first;
+    const int64_t offset = static_cast<int64_t>(table[first / block_size]) * block_size * width;
+    if (first + block_size < length) {  // the next block: start its loads early
+      const int64_t next = static_cast<int64_t>(table[first / block_size + 1]) * block_size;
+      __builtin_prefetch(key_cache + next * width);
+      __builtin_prefetch(value_cache + next * width);
+    }
+    for (int64_t i = 0; i < rows * width; i += kLanes) {
+      lanes_store(keys + first * width + i, lanes_load(key_cache + offset + i));
+      lanes_store(values + first * width + i, lanes_load(value_cache + offset + i));
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t head = 0; head < kv_heads * group; ++head) {
+    const int64_t column = (head / group) * dim;
     Lanes query[kChunks];
-    for (int c = 0; c < kChunks; ++c) query[c] = lanes_load(queries + g * dim + c * kLanes);
-    float* s = scores + g * length;
+    for (int c = 0; c < kChunks; ++c) query[c] = lanes_load(queries + head * dim + c * kLanes);
     float peak = -std::numeric_limits<float>::infinity();
     for (int64_t pos = 0; pos < length; ++pos) {
-      Lanes partial = query[0] * lanes_load(keys + pos * dim);
-      for (int c = 1; c < kChunks; ++c) {
-        partial = fma(query[c], lanes_load(keys + pos * dim + c * kLanes), partial);
-      }
+      const float* k = keys + pos * width + column;
+      Lanes partial = query[0] * lanes_load(k);
+      for (int c = 1; c < kChunks; ++c) partial = fma(query[c], lanes_load(k + c * kLanes), partial);
       s[pos] = reduce_add(partial);
       peak = s[pos] > peak ? s[pos] : peak;
     }
@@ -371,23 +375,24 @@ void attend_fixed(const float* queries, const T* key_cache, const T* value_cache
     for (int c = 0; c < kChunks; ++c) accum[c] = lanes_zero();
     for (pos = 0; pos < length; ++pos) {
       const Lanes weight = lanes_set(s[pos]);
-      for (int c = 0; c < kChunks; ++c) {
-        accum[c] = fma(weight, lanes_load(values + pos * dim + c * kLanes), accum[c]);
-      }
+      const float* v = values + pos * width + column;
+      for (int c = 0; c < kChunks; ++c) accum[c] = fma(weight, lanes_load(v + c * kLanes), accum[c]);
     }
     const Lanes inverse = lanes_set(1.0f / total);
-    for (int c = 0; c < kChunks; ++c) lanes_store(out + g * dim + c * kLanes, accum[c] * inverse);
+    for (int c = 0; c < kChunks; ++c) {
+      lanes_store(out + head * dim + c * kLanes, accum[c] * inverse);
+    }
   }
 }
 
-// The same for any head_dim, plainly (models with unusual head sizes).
+// The same for any head_dim, plainly, straight from the cache (models with unusual head sizes).
 template <typename T>
 void attend_generic(const float* queries, const T* key_cache, const T* value_cache,
-                    const int32_t* table, int64_t length, int64_t kv_heads, int64_t kv_head,
-                    int64_t group, int64_t dim, int64_t block_size, float* scores, float* out) {
-  for (int64_t g = 0; g < group; ++g) {
-    const float* q = queries + g * dim;
-    float* s = scores + g * length;
+                    const int32_t* table, int64_t length, int64_t kv_heads, int64_t group,
+                    int64_t dim, int64_t block_size, float* s, float* out) {
+  for (int64_t head = 0; head < kv_heads * group; ++head) {
+    const int64_t kv_head = head / group;
+    const float* q = queries + head * dim;
     float peak = -std::numeric_limits<float>::infinity();
     for (int64_t pos = 0; pos < length; ++pos) {
       const int64_t slot =
@@ -403,7 +408,7 @@ void attend_generic(const float* queries, const T* key_cache, const T* value_cac
       s[pos] = fast_exp(s[pos] - peak);
       total += s[pos];
     }
-    float* o = out + g * dim;
+    float* o = out + head * dim;
     for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
     for (int64_t pos = 0; pos < length; ++pos) {
       const int64_t slot =
@@ -418,8 +423,8 @@ void attend_generic(const float* queries, const T* key_cache, const T* value_cac
 // One query token per sequence over its paged KV cache. query [batch, heads, dim] with a row
 // and head stride; caches [slots, kv_heads, dim]; block_tables [batch, table_stride] int32;
 // seq_lens [batch] (keys per sequence, the new token's included); out [batch, heads, dim].
-// Work items are (sequence, KV head); scores are computed for all keys, then softmaxed, then
-// the values are weighted (keys and values each read once).
+// Work items are sequences; scores are computed for all keys, then softmaxed, then the values
+// are weighted (keys and values each read once).
 template <typename T>
 void decode_attention(const T* query, int64_t query_stride, int64_t query_head_stride,
                       const T* key_cache, const T* value_cache, const int32_t* block_tables,
@@ -431,31 +436,28 @@ void decode_attention(const T* query, int64_t query_stride, int64_t query_head_s
   for (int64_t b = 0; b < batch; ++b) total_keys += seq_lens[b];
 #pragma omp parallel for num_threads(threads_for(total_keys * heads * dim / 8, threads)) \
     schedule(dynamic, 1)
-  for (int64_t item = 0; item < batch * kv_heads; ++item) {
-    const int64_t b = item / kv_heads, kv_head = item % kv_heads;
+  for (int64_t b = 0; b < batch; ++b) {
     const int64_t length = seq_lens[b];
-    float* queries = scratch(group * dim * 2 + (2 * dim + group) * length);
-    float* result = queries + group * dim;
-    float* rest = result + group * dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const T* q = query + b * query_stride + (kv_head * group + g) * query_head_stride;
-      for (int64_t i = 0; i < dim; ++i) queries[g * dim + i] = to_float(q[i]) * scale;
+    float* queries = scratch(heads * dim * 2 + (2 * kv_heads * dim + 1) * length);
+    float* result = queries + heads * dim;
+    float* rest = result + heads * dim;
+    for (int64_t head = 0; head < heads; ++head) {
+      const T* q = query + b * query_stride + head * query_head_stride;
+      for (int64_t i = 0; i < dim; ++i) queries[head * dim + i] = to_float(q[i]) * scale;
     }
     const int32_t* table = block_tables + b * table_stride;
     if (dim == 64) {
-      attend_fixed<T, 4>(queries, key_cache, value_cache, table, length, kv_heads, kv_head,
-                         group, block_size, rest, result);
+      attend_fixed<T, 4>(queries, key_cache, value_cache, table, length, kv_heads, group,
+                         block_size, rest, result);
     } else if (dim == 128) {
-      attend_fixed<T, 8>(queries, key_cache, value_cache, table, length, kv_heads, kv_head,
-                         group, block_size, rest, result);
+      attend_fixed<T, 8>(queries, key_cache, value_cache, table, length, kv_heads, group,
+                         block_size, rest, result);
     } else {
-      attend_generic<T>(queries, key_cache, value_cache, table, length, kv_heads, kv_head, group,
-                        dim, block_size, rest, result);
+      attend_generic<T>(queries, key_cache, value_cache, table, length, kv_heads, group, dim,
+                        block_size, rest, result);
     }
-    for (int64_t g = 0; g < group; ++g) {
-      T* target = out + (b * heads + kv_head * group + g) * dim;
-      for (int64_t i = 0; i < dim; ++i) target[i] = from_float<T>(result[g * dim + i]);
-    }
+    T* target = out + b * heads * dim;
+    for (int64_t i = 0; i < heads * dim; ++i) target[i] = from_float<T>(result[i]);
   }
 }
 

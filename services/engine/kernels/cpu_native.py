@@ -248,7 +248,7 @@ def _load() -> CpuKernels | None:
             build(path)
         kernels = CpuKernels(ctypes.CDLL(str(path)))
         _self_check(kernels)
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError, AttributeError) as exc:
         logger.warning("native CPU kernels off (PyTorch ops instead): %s", exc)
         return None
     logger.info("native CPU kernels loaded from %s", path)
@@ -256,7 +256,8 @@ def _load() -> CpuKernels | None:
 
 
 def _self_check(kernels: CpuKernels) -> None:
-    """One small call of each numerically involved kernel against PyTorch; raises on mismatch."""
+    """Two kernels on small inputs against PyTorch, so that a library that loads but computes
+    wrongly (a miscompile, a foreign build) is never used; raises on a mismatch."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 40, generator=generator)
     weight = torch.rand(40, generator=generator)

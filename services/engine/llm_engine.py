@@ -327,13 +327,12 @@ class LLMEngine(OverlappedSteps):
         reason: FinishReason | None,
     ) -> SequenceDelta:
         return SequenceDelta(
-            seq.request_id,
-            tokens,
-            [logprob] if logprob is not None else None,
-            reason is not None,
-            reason,
-            None,
-            len(seq.prompt_token_ids),
-            len(seq.output_token_ids) - seq.num_pending_tokens,
-            seq.num_cached_prompt_tokens,
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            logprobs=[logprob] if logprob is not None else None,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=len(seq.output_token_ids) - seq.num_pending_tokens,
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
         )

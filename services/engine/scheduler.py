@@ -165,12 +165,12 @@ class Scheduler:
             end = start + num_tokens
             batch_sequences.append(
                 ScheduledSequence(
-                    seq.seq_id,
-                    seq.token_ids[start:end],
-                    start,
-                    list(seq.block_table),
-                    end == len(seq.token_ids),
-                    seq.adapter_slot,
+                    seq_id=seq.seq_id,
+                    token_ids=seq.token_ids[start:end],
+                    start_position=start,
+                    block_table=list(seq.block_table),
+                    needs_logits=end == len(seq.token_ids),
+                    adapter_slot=seq.adapter_slot,
                 )
             )
         output.scheduled = planned

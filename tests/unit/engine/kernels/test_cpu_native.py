@@ -93,11 +93,12 @@ def test_argmax_rows_matches_torch_first_index_on_ties(kernels, dtype) -> None:
 @pytest.mark.parametrize("dtype, tolerance", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 48])  # the two register-blocked sizes, generic
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_decode_attention_matches_a_float64_reference(
-    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads
+    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads, block_size
 ) -> None:
-    generator = torch.Generator().manual_seed(head_dim + num_heads)
-    block_size, num_blocks = 16, 40
+    generator = torch.Generator().manual_seed(head_dim + num_heads + block_size)
+    num_blocks = 40 * 16 // block_size + 8
     lengths = [1, 15, 16, 17, 70, 130]
     permutation = torch.randperm(num_blocks, generator=generator).tolist()
     width = -(-max(lengths) // block_size)

@@ -19,6 +19,7 @@ length (no gather, no padding, no masks to build).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,10 @@ class _StepPlan:
     decode_blocks: torch.Tensor | None = None  # [B_decode, blocks covering max_len] int64
     decode_lengths: torch.Tensor | None = None  # [B_decode] int64
     block_size: int = 16
+    # Planned for the native CPU decode kernel (no gather indices): its block tables [B_decode,
+    # max_blocks] and key counts [B_decode], int32 views of the metadata.
+    native_tables: torch.Tensor | None = None
+    native_lengths: torch.Tensor | None = None
     # Per-step caches shared by all layers, made on first use.
     additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     decode_rows: torch.Tensor | None = None
@@ -136,27 +141,14 @@ class TorchAttentionBackend(AttentionBackend):
         native = self._native(key_cache)
         if native is not None:
             native.kv_store(key, value, key_cache, value_cache, metadata.slot_mapping)
-            if plan.num_decodes and plan.decode_slots is None:
-                decoded = self._decode_native(
-                    native, query[: plan.num_decodes], key_cache, value_cache, metadata
-                )
-                if not plan.prefills:
-                    return decoded
-                output = torch.empty_like(query)
-                output[: plan.num_decodes] = decoded
-                for chunk in plan.prefills:
-                    output[chunk.token_start : chunk.token_end] = self._prefill(
-                        query, key, value, flat_keys, flat_values, chunk
-                    )
-                return output
         else:
             flat_keys.index_copy_(0, metadata.slot_mapping, key.to(flat_keys.dtype))
             flat_values.index_copy_(0, metadata.slot_mapping, value.to(flat_values.dtype))
-            if plan.num_decodes and plan.decode_slots is None:  # planned for a native kernel
+            if plan.native_tables is not None:  # planned for the native kernel, run without it
                 plan = metadata.backend_state[_STATE_KEY] = _plan(metadata)
 
         if not plan.prefills and not query.is_cuda:  # pure decode on CPU: no output copy
-            return self._decode_matmul(query, flat_keys, flat_values, plan)
+            return self._decoder(query, plan)(query, flat_keys, flat_values, plan)
         output = torch.empty_like(query)
         kernels = sdpa_kernel(_CUDA_SDPA_BACKENDS) if query.is_cuda else contextlib.nullcontext()
         with kernels:
@@ -174,7 +166,7 @@ class TorchAttentionBackend(AttentionBackend):
         output: torch.Tensor,
     ) -> None:
         if plan.num_decodes:
-            decode = self._decode_sdpa if query.is_cuda else self._decode_matmul
+            decode = self._decoder(query, plan)
             output[: plan.num_decodes] = decode(
                 query[: plan.num_decodes], flat_keys, flat_values, plan
             )
@@ -183,24 +175,29 @@ class TorchAttentionBackend(AttentionBackend):
                 query, key, value, flat_keys, flat_values, chunk
             )
 
+    def _decoder(self, query: torch.Tensor, plan: _StepPlan) -> Callable[..., torch.Tensor]:
+        """The decode implementation for this step: (query, flat_keys, flat_values, plan)."""
+        if query.is_cuda:
+            return self._decode_sdpa
+        return self._decode_matmul if plan.native_tables is None else self._decode_native
+
     def _decode_native(
         self,
-        native: CpuKernels,
         query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        flat_keys: torch.Tensor,
+        flat_values: torch.Tensor,
+        plan: _StepPlan,
     ) -> torch.Tensor:
-        """Decode rows (the step's first `len(query)` sequences) from the paged cache."""
-        count = query.shape[0]
-        return native.decode_attention(
+        """Decode rows straight from the paged cache (the native CPU kernel, which a native plan
+        implies: forward re-plans when the kernels do not apply)."""
+        return self.cpu_kernels.decode_attention(
             query,
-            key_cache,
-            value_cache,
-            metadata.block_tables[:count],
-            metadata.seq_lens[:count],
+            flat_keys,
+            flat_values,
+            plan.native_tables,
+            plan.native_lengths,
             self.num_kv_heads,
-            metadata.block_size,
+            plan.block_size,
             self.scale,
         )
 
@@ -314,7 +311,11 @@ def _plan(metadata: AttentionMetadata, gather_decodes: bool = True) -> _StepPlan
     if gather_decodes or num_decodes < len(query_lens):
         block_tables = block_tables.to(torch.int64)
     decode_slots = decode_mask = decode_blocks = lengths = None
-    if num_decodes and gather_decodes:
+    native_tables = native_lengths = None
+    if num_decodes and not gather_decodes:
+        native_tables = metadata.block_tables[:num_decodes]
+        native_lengths = metadata.seq_lens[:num_decodes]
+    elif num_decodes:
         max_len = max(seq_lens[:num_decodes])
         lengths = metadata.seq_lens[:num_decodes].to(torch.int64)
         decode_slots, valid = _slots_for(block_tables[:num_decodes], max_len, lengths, metadata)
@@ -341,6 +342,8 @@ def _plan(metadata: AttentionMetadata, gather_decodes: bool = True) -> _StepPlan
         decode_blocks=decode_blocks,
         decode_lengths=lengths,
         block_size=metadata.block_size,
+        native_tables=native_tables,
+        native_lengths=native_lengths,
     )
 
 

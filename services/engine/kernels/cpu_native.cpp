@@ -130,18 +130,19 @@ inline float reduce_max(Lanes a) {
 // exp(x) for float32 that vectorizes (no libm call): x = n ln2 + r with |r| <= ln2 / 2, a
 // degree-6 polynomial for exp(r) (relative error ~2e-7, Cephes' coefficients), times 2^n built
 // in the exponent bits. Inputs below -87.3 give 0, which softmax and silu want.
+constexpr float kExpMax = 88.3f, kExpMin = -87.3f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;  // ln 2 = high + low
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float fast_exp(float x) {
-  x = x < 88.3f ? x : 88.3f;
-  const bool underflow = x < -87.3f;
-  x = x > -87.3f ? x : -87.3f;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x < kExpMax ? x : kExpMax;
+  const bool underflow = x < kExpMin;
+  x = x > kExpMin ? x : kExpMin;
+  const float n = std::nearbyint(x * kLog2e);
+  const float r = x - n * kLn2High - n * kLn2Low;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = p * r * r + r + 1.0f;
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -152,19 +153,15 @@ inline float fast_exp(float x) {
 // fast_exp on sixteen lanes.
 #if defined(__AVX512F__)
 inline Lanes lanes_exp(Lanes a) {
-  __m512 x = _mm512_min_ps(a.v, _mm512_set1_ps(88.3f));
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  __m512 x = _mm512_min_ps(a.v, _mm512_set1_ps(kExpMax));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i bits = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);

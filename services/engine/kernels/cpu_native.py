@@ -83,7 +83,7 @@ class CpuKernels:
         """(rmsnorm(x + residual) * weight, x + residual); x [rows, dim] (rows may be strided)."""
         rows, dim = x.shape
         _check_rows(x, "x")
-        weight = _same_dtype(weight, x.dtype)
+        weight = weight.to(x.dtype)  # a no-op (the same tensor) when it already matches
         out = torch.empty((rows, dim), dtype=x.dtype)
         if residual is None:
             kept, residual_pointer, kept_pointer = x, None, None
@@ -141,7 +141,7 @@ class CpuKernels:
         slots: torch.Tensor,
     ) -> None:
         """Write key/value [tokens, kv_heads, dim] into the caches at `slots` (int64)."""
-        key, value = _same_dtype(key, key_cache.dtype), _same_dtype(value, key_cache.dtype)
+        key, value = key.to(key_cache.dtype), value.to(key_cache.dtype)
         _check_heads(key, "key")
         _check_heads(value, "value")
         tokens, kv_heads, dim = key.shape
@@ -171,7 +171,7 @@ class CpuKernels:
         batch, heads, dim = query.shape
         if query.stride(2) != 1:
             raise ValueError("query heads must be contiguous")
-        query = _same_dtype(query, key_cache.dtype)
+        query = query.to(key_cache.dtype)
         _check_index(seq_lens, torch.int32, "seq_lens")
         if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
             raise ValueError("block_tables must be int32 with contiguous rows")
@@ -283,10 +283,6 @@ def _check_index(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
 def _check_heads(tensor: torch.Tensor, name: str) -> None:
     if tensor.stride(2) != 1 or tensor.stride(1) != tensor.shape[2]:
         raise ValueError(f"{name} must be contiguous within a token")
-
-
-def _same_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _compiler_version() -> str:

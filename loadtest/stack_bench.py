@@ -45,6 +45,7 @@ from loadtest.stack_bench_clients import (
     router_run,
 )
 from protos.sluice.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common import event_loop
 
 
 async def _tokenize(address: str) -> list[list[int]]:
@@ -106,7 +107,7 @@ def _start_stack(args: argparse.Namespace):
     from services.launcher import Stack, StackConfig
 
     router_args = ["--log-level", "WARNING"]
-    if args.stream_interval:
+    if args.stream_interval is not None:
         router_args += ["--stream-interval", str(args.stream_interval)]
     config = StackConfig(
         model=args.model,
@@ -164,7 +165,9 @@ async def run(args: argparse.Namespace) -> dict:
         if args.synthetic_step_ms
         else args.model,
         "engine_dtype": args.engine_dtype or "the engine's default",
-        "stream_interval": args.stream_interval or 1,
+        "stream_interval": "router default"
+        if args.stream_interval is None
+        else ("adaptive" if args.stream_interval == 0 else args.stream_interval),
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "duration_s": args.duration,
@@ -272,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--stream-interval",
         type=int,
-        help="the started router's --stream-interval (tokens per response; default: its own, 1)",
+        help="the started router's --stream-interval (tokens per response; 0: adapted to the "
+        "load; default: the router's own default, adaptive)",
     )
     parser.add_argument(
         "--no-probe",
@@ -288,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("concurrency, max-tokens and duration must be positive, warmup >= 0")
     # As the services do (GIL hand-offs from gRPC's poller thread); the same for both sides.
     sys.setswitchinterval(0.0005)
-    report = asyncio.run(run(args))
+    report = event_loop.run(run(args))
     _print(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
-from services.common import metrics
+from services.common import event_loop, metrics
 from services.common.config import describe
 from services.common.errors import SluiceError, UnavailableError
 from services.common.grpc_server import start_server
@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(config))
+        event_loop.run(serve(config))
     except SluiceError as exc:  # e.g. the model cannot be found or loaded
         log.error("engine worker failed: %s: %s", exc.code, exc.message)
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)

@@ -34,6 +34,7 @@ from services.router.discovery import EngineDiscovery, StaticDiscovery
 from services.router.dispatch import DispatchPolicy, LeastLoadedPolicy
 from services.router.engine_pool import EnginePool
 from services.router.idempotency import IdempotencyCache
+from services.router.pacing import StreamPacing
 from services.router.rate_limit import RateLimiter
 from services.router.request import RequestState, RouterRequest
 from services.router.streaming import OutputStreamer
@@ -80,7 +81,13 @@ class RouterCore:
             max_backoff_s=config.reconnect_max_backoff,
         )
         self.tokenizer.ready_changed = self._readiness_changed
-        self.streamer = OutputStreamer(self.running, self.tokenizer, self)
+        self.pacing = StreamPacing(
+            config.stream_interval,
+            message_budget=config.stream_message_budget,
+            max_interval=config.stream_max_interval,
+            max_hold_s=config.stream_max_hold_ms / 1e3,
+        )
+        self.streamer = OutputStreamer(self.running, self.tokenizer, self, self.pacing)
         self.pool = EnginePool(
             discovery or StaticDiscovery(config.engines),
             self.streamer.on_step,
@@ -99,13 +106,29 @@ class RouterCore:
         self._last_expiry_sweep = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._pacer: asyncio.Task | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self.tokenizer.start()
+        if self.pacing.adaptive:
+            self._pacer = asyncio.create_task(self._sweep_held())
         await self.pool.refresh()
 
+    async def _sweep_held(self) -> None:
+        """Adaptive pacing: flush tokens held back longer than the hold limit; decay the rate."""
+        pacing = self.pacing
+        while True:
+            await asyncio.sleep(pacing.max_hold_s / 2)
+            now = time.monotonic()
+            pacing.idle(now)
+            held_before = now - pacing.max_hold_s
+            for request in self.running.values():
+                request.flush_held(held_before)
+
     async def close(self) -> None:
+        if self._pacer is not None:
+            self._pacer.cancel()
         for request in list(self.active):
             self.end_request(request, UnavailableError("the router is shutting down"))
         await self.pool.close()
@@ -189,7 +212,7 @@ class RouterCore:
             priority=message.priority,
             deadline=deadline,
             arrival=arrival,
-            stream_interval=self.config.stream_interval,
+            pacing=self.pacing,
         )
         if request.expired():
             raise DeadlineExceededError("the deadline passed before the request was queued")

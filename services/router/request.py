@@ -7,10 +7,11 @@ detokenizer push into it from their reader tasks, so no servicer ever waits on a
 
 The channel is a list plus one future (cheaper than asyncio.Queue on the per-token path). When
 the client reads slower than engine steps arrive, pending pieces are merged into one response.
-With a `stream_interval` of N > 1 (the router's `--stream-interval`, as in vLLM and SGLang),
-after the first response pieces are held until N new tokens are pending (the end, an error,
-or the deadline always flush), so each response carries about N tokens: fewer gRPC messages
-per token for the router and its clients, at the price of burstier streaming.
+After the first response, pieces are held until the router's pacing (pacing.py: a fixed
+`--stream-interval` N, or N adapted to the router's token rate) has N new tokens pending; the
+end, an error, the deadline and the pacing's hold limit (`flush_held`) always flush. So each
+response carries about N tokens: fewer gRPC messages per token for the router and its
+clients, at the price of burstier streaming.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from dataclasses import dataclass, field
 
 from services.common.errors import SluiceError
 from services.engine.sampling_params import SamplingParams
+from services.router.pacing import StreamPacing
+
+ONE_TOKEN_PER_RESPONSE = StreamPacing.fixed(1)
 
 
 class RequestState(enum.Enum):
@@ -74,10 +78,11 @@ class RouterRequest:
     holds_engine_slot: bool = False  # counted in its engine's inflight
     engine_done: bool = False  # the engine has finished or dropped it (no abort needed)
     detokenizer_open: bool = False  # the detokenizer holds state for it
-    stream_interval: int = 1  # tokens a response gathers before it is sent (the first: 1)
+    pacing: StreamPacing = ONE_TOKEN_PER_RESPONSE  # tokens a response gathers (the first: 1)
     _pieces: list[OutputPiece] = field(default_factory=list)
     _pending_tokens: int = 0  # tokens in _pieces
     _send_at: int = 1  # pending tokens that make the next response due
+    _held_since: float | None = None  # when the oldest held-back piece arrived
     _error: SluiceError | None = None
     _waiter: asyncio.Future | None = None
 
@@ -122,8 +127,17 @@ class RouterRequest:
         if piece.finish_reason:
             self.state = RequestState.FINISHED
         elif self._pending_tokens < self._send_at:
-            return  # held back (stream interval): no need to wake the reader yet
+            if self._held_since is None:
+                self._held_since = time.monotonic()
+            return  # held back (pacing): no need to wake the reader yet
         self._wake()
+
+    def flush_held(self, held_before: float) -> None:
+        """Send held-back pieces now if the oldest arrived before `held_before` (monotonic s)."""
+        since = self._held_since
+        if since is not None and since < held_before and self._pieces:
+            self._send_at = 0
+            self._wake()
 
     def fail(self, error: SluiceError) -> bool:
         """End the request with an error; False when it had already finished."""
@@ -175,7 +189,8 @@ class RouterRequest:
         pieces = self._pieces
         self._pieces = []
         self._pending_tokens = 0
-        self._send_at = self.stream_interval
+        self._send_at = self.pacing.interval
+        self._held_since = None
         return pieces[0] if len(pieces) == 1 else merge_pieces(pieces)
 
 

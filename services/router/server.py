@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from protos.sluice.v1 import router_pb2, router_pb2_grpc
-from services.common import metrics
+from services.common import event_loop, metrics
 from services.common.config import describe
 from services.common.errors import DeadlineExceededError, SluiceError
 from services.common.grpc_server import RunningServer, start_server
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     log.info("%s", describe(config))
     try:
-        return asyncio.run(serve(settings))
+        return event_loop.run(serve(settings))
     except (OSError, SluiceError) as error:
         print(f"error: cannot run the router: {error}", file=sys.stderr)
         return 1

@@ -4,18 +4,21 @@ For every `EngineStep` (all sequences of one engine, one forward step) the strea
 `DetokenizeRequest` carrying every live request's new token ids, and remembers which tokens,
 logprobs and finish reasons went with it. The matching `DetokenizeResponse` (paired by
 sequence number) turns into one `OutputPiece` per request, pushed into that request's own
-channel (requests getting their first token first). A stop-string hit ends the request
+channel (requests getting their first token first), and reports the step's tokens to the
+router's pacing (pacing.py). A stop-string hit ends the request
 (FINISH_REASON_STOP_STRING) and aborts it on the engine. Resource release (engine slot, engine
 abort, detokenizer cancel) goes through `RequestReleaser`, which the router core implements.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from protos.sluice.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from services.common.errors import SluiceError
 from services.router.convert import detokenize_options
+from services.router.pacing import StreamPacing
 from services.router.request import OutputPiece, RouterRequest
 from services.router.tokenizer_client import TokenizerClient, error_from_item
 
@@ -41,16 +44,22 @@ class OutputStreamer:
         running: dict[str, RouterRequest],
         tokenizer: TokenizerClient,
         releaser: RequestReleaser,
+        pacing: StreamPacing | None = None,
     ) -> None:
         self._running = running
         self._tokenizer = tokenizer
         self._releaser = releaser
+        self._pacing = pacing
         # sequence number -> [(request, its SequenceUpdate of that step)]
         self._pending: dict[int, list[tuple]] = {}
 
     def on_step(self, engine_id: str, step: engine_pb2.EngineStep) -> None:
         running = self._running
         message = tokenizer_pb2.DetokenizeRequest()
+        # First tokens first: a request's first piece wakes its servicer (and goes out) before
+        # the other streams' pieces of this step, so time to first token does not wait behind
+        # up to a step's worth of sends. The rest keep their order.
+        first: list[tuple] = []
         record: list[tuple] = []
         for update in step.updates:
             request = running.get(update.request_id)
@@ -74,7 +83,9 @@ class OutputStreamer:
             if finish_reason:
                 request.engine_done = True
                 self._releaser.engine_finished(request)
-            record.append((request, update))
+            (record if request.completion_tokens else first).append((request, update))
+        if first:
+            record = first + record
         if record:
             message.sequence_number = self._tokenizer.next_sequence_number()
             self._pending[message.sequence_number] = record
@@ -86,10 +97,7 @@ class OutputStreamer:
         if record is None:
             return
         deltas = {delta.request_id: delta for delta in response.deltas}
-        # First tokens first: a request's first piece wakes its servicer (and goes out) before
-        # the other streams' pieces of this step, so time to first token does not wait behind
-        # up to a step's worth of sends. Stable: the rest keep their order.
-        record.sort(key=_has_streamed)
+        tokens = 0
         for request, update in record:
             if request.finished:
                 continue
@@ -98,6 +106,7 @@ class OutputStreamer:
             if finish_reason:
                 request.detokenizer_open = False  # told `finished`: it freed the state
             piece = OutputPiece(token_ids=list(update.token_ids))
+            tokens += len(piece.token_ids)
             if request.params.logprobs is not None:
                 piece.logprobs = list(update.logprobs)
             if delta is not None:
@@ -124,11 +133,9 @@ class OutputStreamer:
                 self._releaser.end_request(request, None)
             else:
                 request.push(piece)
+        if self._pacing is not None:
+            self._pacing.observe(tokens, time.monotonic())
 
     def forget_pending(self) -> None:
         """The detokenize session dropped: its unanswered steps will never come back."""
         self._pending.clear()
-
-
-def _has_streamed(item: tuple[RouterRequest, engine_pb2.SequenceUpdate]) -> bool:
-    return item[0].completion_tokens > 0

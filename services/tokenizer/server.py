@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.sluice.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common import event_loop
 from services.common.config import describe
 from services.common.errors import InvalidArgumentError, SluiceError
 from services.common.grpc_server import RunningServer, start_server
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     log.info("%s", describe(config))
     try:
-        asyncio.run(serve(config))
+        event_loop.run(serve(config))
     except SluiceError as exc:
         raise SystemExit(f"error: {exc.code}: {exc.message}") from None
 

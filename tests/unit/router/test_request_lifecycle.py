@@ -9,6 +9,7 @@ import pytest
 
 from services.common.errors import DeadlineExceededError
 from services.engine.sampling_params import SamplingParams
+from services.router.pacing import StreamPacing
 from services.router.request import (
     IllegalTransitionError,
     OutputPiece,
@@ -104,7 +105,7 @@ def test_merge_keeps_last_ending() -> None:
 
 def test_stream_interval_holds_pieces_until_enough_tokens() -> None:
     async def scenario() -> None:
-        request = RouterRequest("r1", "client", [1], SamplingParams(), stream_interval=3)
+        request = RouterRequest("r1", "client", [1], SamplingParams(), pacing=StreamPacing.fixed(3))
         request.push(OutputPiece(text="a", token_ids=[1]))
         first = await request.next_piece(timeout=1.0)
         assert first.token_ids == [1]  # the first token goes at once (time to first token)
@@ -127,7 +128,7 @@ def test_stream_interval_holds_pieces_until_enough_tokens() -> None:
 
 def test_stream_interval_flushes_held_pieces_before_an_error_or_the_deadline() -> None:
     async def scenario() -> None:
-        request = RouterRequest("r1", "client", [1], SamplingParams(), stream_interval=8)
+        request = RouterRequest("r1", "client", [1], SamplingParams(), pacing=StreamPacing.fixed(8))
         request.push(OutputPiece(text="a", token_ids=[1]))
         await request.next_piece()
         request.push(OutputPiece(text="b", token_ids=[2]))
@@ -136,12 +137,33 @@ def test_stream_interval_flushes_held_pieces_before_an_error_or_the_deadline() -
         assert (await request.next_piece(timeout=1.0)).text == "b"
         with pytest.raises(DeadlineExceededError):
             await request.next_piece(timeout=1.0)
-        late = RouterRequest("r2", "client", [1], SamplingParams(), stream_interval=8)
+        late = RouterRequest("r2", "client", [1], SamplingParams(), pacing=StreamPacing.fixed(8))
         late.push(OutputPiece(text="a", token_ids=[1]))
         await late.next_piece()
         late.push(OutputPiece(text="b", token_ids=[2]))
         assert (await late.next_piece(timeout=0.01)).text == "b"  # deadline: sent, not lost
         with pytest.raises(TimeoutError):
             await late.next_piece(timeout=0.01)
+
+    asyncio.run(scenario())
+
+
+def test_flush_held_sends_pieces_held_past_the_limit_and_no_others() -> None:
+    async def scenario() -> None:
+        request = RouterRequest("r1", "client", [1], SamplingParams(), pacing=StreamPacing(4))
+        request.push(OutputPiece(text="a", token_ids=[1]))
+        await request.next_piece()
+        request.push(OutputPiece(text="b", token_ids=[2]))
+        reader = asyncio.ensure_future(request.next_piece())
+        await asyncio.sleep(0.01)
+        request.flush_held(held_before=time.monotonic() - 60)  # held for less than that
+        await asyncio.sleep(0.01)
+        assert not reader.done()
+        request.flush_held(held_before=time.monotonic())
+        piece = await asyncio.wait_for(reader, 1.0)
+        assert piece.token_ids == [2]
+        # The interval is read again after each send: still 4 tokens for the next one.
+        request.push(OutputPiece(text="c", token_ids=[3]))
+        assert not request._pieces or request._pending_tokens < request._send_at
 
     asyncio.run(scenario())

@@ -102,6 +102,52 @@ def test_streams_one_response_per_step_with_usage() -> None:
     run_stack(check)
 
 
+def test_adaptive_pacing_gathers_tokens_above_the_message_budget() -> None:
+    async def check(stack: Stack) -> None:
+        requests = [text_request(f"p{i}", max_tokens=400) for i in range(4)]
+        results = await asyncio.gather(*(stack.collect(r) for r in requests))
+        for responses in results:
+            assert "".join(r.text for r in responses) == generated_text(400)  # nothing lost
+            assert len(responses[0].token_ids) == 1  # the first token goes at once
+            assert max(len(r.token_ids) for r in responses) <= 4  # --stream-max-interval
+            assert len(responses) < 400 * 0.6  # several tokens per response, once measured
+        assert stack.core.pacing.interval == 4
+
+    # 4 streams of a step every 2 ms against a budget of 100 responses/s: interval capped at 4.
+    run_stack(
+        check,
+        engine=FakeEngine(max_model_len=1024),
+        stream_message_budget=100.0,
+        stream_max_interval=4,
+    )
+
+
+def test_adaptive_pacing_never_holds_a_token_past_the_hold_limit() -> None:
+    async def check(stack: Stack) -> None:
+        responses = await stack.collect(text_request("slow", max_tokens=8))
+        assert "".join(r.text for r in responses) == generated_text(8)
+        # A step every 150 ms is over the budget of 1 response/s (interval 8), but no token
+        # may wait more than 20 ms for the next one: each goes out on its own.
+        assert [len(r.token_ids) for r in responses] == [1] * 8
+
+    run_stack(
+        check,
+        engine=FakeEngine(step_s=0.15),
+        stream_message_budget=1.0,
+        stream_max_interval=8,
+        stream_max_hold_ms=20.0,
+    )
+
+
+def test_fixed_stream_interval_gathers_that_many_tokens() -> None:
+    async def check(stack: Stack) -> None:
+        responses = await stack.collect(text_request("hello", max_tokens=10))
+        assert "".join(r.text for r in responses) == generated_text(10)
+        assert [len(r.token_ids) for r in responses] == [1, 3, 3, 3]
+
+    run_stack(check, stream_interval=3)
+
+
 def test_chat_and_token_id_inputs_and_list_models() -> None:
     async def check(stack: Stack) -> None:
         chat = router_pb2.GenerateRequest(

@@ -496,6 +496,127 @@ void argmax_rows(const T* values, int64_t row_stride, int64_t rows, int64_t widt
   }
 }
 
+
+// Greedy LM head for bfloat16 (AVX-512 BF16 builds): each row's argmax over the vocabulary of
+// hidden . weight[v] without writing the [rows, vocab] logits. For a small hidden size writing
+// and re-reading those logits costs more than the products (dummy:tiny: 64 rows x 49,152 x 16).
+// The weight is packed once (cpu_native.py: pack_greedy_head) into tiles of 16 vocabulary rows
+// holding pairs of hidden elements, [tiles][dim / 2][16][2] (dim padded to even with zeros),
+// so one vdpbf16ps adds two products to 16 rows' scores. Eight rows at a time keep their
+// scores, best scores and best ids in registers while a chunk of tiles (L2-resident) streams
+// by. Scores are rounded to bfloat16 before they are compared, as the logits of the unfused
+// head are, and ties go to the lowest id (as torch.argmax). `has_greedy_head` tells the
+// caller whether this build has it.
+constexpr int64_t kHeadRows = 8;
+constexpr int64_t kHeadChunkTiles = 128;  // 128 tiles x dim/2 x 64 bytes: L2 for dim <= 128
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasGreedyHead = true;
+
+inline __m512 round_to_bf16(__m512 value) {
+  __m512i bits = _mm512_castps_si512(value);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(~0xffff)));
+}
+
+// Rows [kHeadRows][pairs] (uint32 = two bf16) against tiles [first, last); best/ids in and out.
+inline void head_rows(const uint32_t* rows, int64_t pairs, const bf16* packed, int64_t first,
+                      int64_t last, int64_t vocab, float* best, int32_t* best_id) {
+  __m512 peak[kHeadRows];
+  __m512i id[kHeadRows];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < kHeadRows; ++r) {
+    peak[r] = _mm512_loadu_ps(best + r * 16);
+    id[r] = _mm512_loadu_si512(best_id + r * 16);
+  }
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t tile = first; tile < last; ++tile) {
+    __m512 acc[kHeadRows];
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < kHeadRows; ++r) acc[r] = _mm512_setzero_ps();
+    const bf16* w = packed + tile * pairs * 32;
+    for (int64_t k = 0; k < pairs; ++k) {
+      const __m512bh weights = (__m512bh)_mm512_loadu_si512(w + k * 32);
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < kHeadRows; ++r) {
+        const __m512bh h = (__m512bh)_mm512_set1_epi32(static_cast<int>(rows[r * pairs + k]));
+        acc[r] = _mm512_dpbf16_ps(acc[r], h, weights);
+      }
+    }
+    const __m512i ids = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(tile * 16)));
+    const int64_t valid = vocab - tile * 16;
+    const __mmask16 in_vocab =
+        valid >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1u);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < kHeadRows; ++r) {
+      const __m512 score = round_to_bf16(acc[r]);
+      const __mmask16 better = _mm512_mask_cmp_ps_mask(in_vocab, score, peak[r], _CMP_GT_OQ);
+      peak[r] = _mm512_mask_mov_ps(peak[r], better, score);
+      id[r] = _mm512_mask_mov_epi32(id[r], better, ids);
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < kHeadRows; ++r) {
+    _mm512_storeu_ps(best + r * 16, peak[r]);
+    _mm512_storeu_si512(best_id + r * 16, id[r]);
+  }
+}
+
+void greedy_head_bf16(const bf16* hidden, int64_t hidden_stride, int64_t rows, int64_t dim,
+                      const bf16* packed, int64_t vocab, int64_t* result, int threads) {
+  const int64_t pairs = (dim + 1) / 2;
+  const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
+  // Rows as bf16 pairs, zero-padded to whole pairs and to whole blocks of kHeadRows rows.
+  std::vector<uint32_t> row_pairs(static_cast<size_t>(blocks * kHeadRows * pairs), 0u);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(row_pairs.data() + r * pairs, hidden + r * hidden_stride, dim * sizeof(bf16));
+  const int64_t tiles = (vocab + 15) / 16;
+  int used = threads_for(rows * vocab * dim / 4, threads);
+  used = used < tiles ? used : static_cast<int>(tiles);
+  // Per thread, padded row and lane: best score and its id over that thread's tiles.
+  const size_t slots = static_cast<size_t>(used * blocks * kHeadRows * 16);
+  std::vector<float> best(slots, -std::numeric_limits<float>::infinity());
+  std::vector<int32_t> best_id(slots, 0);
+#pragma omp parallel num_threads(used)
+  {
+    const int me = omp_get_thread_num();
+    const int64_t first = tiles * me / used, last = tiles * (me + 1) / used;
+    const size_t mine = static_cast<size_t>(me * blocks * kHeadRows * 16);
+    for (int64_t chunk = first; chunk < last; chunk += kHeadChunkTiles) {
+      const int64_t end = chunk + kHeadChunkTiles < last ? chunk + kHeadChunkTiles : last;
+      for (int64_t block = 0; block < blocks; ++block) {
+        const size_t at = mine + static_cast<size_t>(block * kHeadRows * 16);
+        head_rows(row_pairs.data() + block * kHeadRows * pairs, pairs, packed, chunk, end, vocab,
+                  best.data() + at, best_id.data() + at);
+      }
+    }
+  }
+  // Merge lanes and threads: the largest score, the lowest id among equal ones.
+  for (int64_t r = 0; r < rows; ++r) {
+    float peak = -std::numeric_limits<float>::infinity();
+    int64_t id = -1;
+    for (int t = 0; t < used; ++t) {
+      const size_t base = static_cast<size_t>((t * blocks * kHeadRows + r) * 16);
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const float value = best[base + lane];
+        const int64_t candidate = best_id[base + lane];
+        if (value == -std::numeric_limits<float>::infinity()) continue;  // lane never valid
+        if (id < 0 || value > peak || (value == peak && candidate < id)) {
+          peak = value;
+          id = candidate;
+        }
+      }
+    }
+    result[r] = id < 0 ? 0 : id;
+  }
+}
+#else
+constexpr bool kHasGreedyHead = false;
+void greedy_head_bf16(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, int64_t*,
+                      int) {}
+#endif
+
 }  // namespace
 
 // C entry points: one per kernel and dtype (suffix _f32 / _bf16), pointers as void*.
@@ -547,3 +668,14 @@ void argmax_rows(const T* values, int64_t row_stride, int64_t rows, int64_t widt
 
 SLUICE_DEFINE(f32, float)
 SLUICE_DEFINE(bf16, bf16)
+
+// Whether greedy_head_bf16 exists in this build (AVX-512 BF16); without it the caller keeps
+// the unfused head.
+SLUICE_EXPORT int sluice_has_greedy_head() { return kHasGreedyHead ? 1 : 0; }
+
+SLUICE_EXPORT void sluice_greedy_head_bf16(const void* hidden, int64_t hidden_stride, int64_t rows,
+                                           int64_t dim, const void* packed, int64_t vocab,
+                                           int64_t* result, int threads) {
+  greedy_head_bf16(static_cast<const bf16*>(hidden), hidden_stride, rows, dim,
+                   static_cast<const bf16*>(packed), vocab, result, threads);
+}

@@ -51,6 +51,7 @@ _SIGNATURES = {
     "decode_attention": (_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _T),
     "argmax_rows": (_P, _I, _I, _I, _P, _T),
 }
+HEAD_TILE = 16  # vocabulary rows per packed tile of the greedy head (cpu_native.cpp)
 
 _lock = threading.Lock()
 _loaded: CpuKernels | None = None
@@ -68,6 +69,10 @@ class CpuKernels:
                 function.argtypes = argtypes
                 function.restype = None
                 self._functions[(name, dtype)] = function
+        self.has_greedy_head = bool(library.sluice_has_greedy_head())
+        self._greedy_head = library.sluice_greedy_head_bf16
+        self._greedy_head.argtypes = (_P, _I, _I, _I, _P, _I, _P, _T)
+        self._greedy_head.restype = None
 
     @staticmethod
     def supports(tensor: torch.Tensor) -> bool:
@@ -191,6 +196,38 @@ class CpuKernels:
         result = torch.empty(rows, dtype=torch.int64)
         self._call(
             "argmax_rows", values.dtype, values.data_ptr(), values.stride(0), rows, width,
+            result.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return result
+
+    def greedy_head_supports(self, weight: torch.Tensor) -> bool:
+        """Whether `greedy_head` can serve this LM head weight (bf16 on an AVX-512 BF16 CPU)."""
+        return self.has_greedy_head and weight.dtype == torch.bfloat16
+
+    @staticmethod
+    def pack_greedy_head(weight: torch.Tensor) -> torch.Tensor:
+        """The bf16 LM head [vocab, dim] in greedy_head's layout, done once: [tiles, dim / 2,
+        16, 2] (pairs of hidden elements for 16 vocabulary rows; dim padded to even, the
+        vocabulary to whole tiles, with zeros that are never chosen)."""
+        vocab, dim = weight.shape
+        tiles = -(-vocab // HEAD_TILE)
+        padded = torch.zeros(tiles * HEAD_TILE, dim + dim % 2, dtype=weight.dtype)
+        padded[:vocab, :dim] = weight
+        return padded.view(tiles, HEAD_TILE, -1, 2).permute(0, 2, 1, 3).contiguous()
+
+    def greedy_head(self, hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:
+        """int64 argmax over the vocabulary of hidden [rows, dim] @ weight.T (bf16, the weight
+        packed by `pack_greedy_head`): the same ids as the argmax of the head's bf16 logits
+        (lowest id on ties), without writing the logits."""
+        rows, dim = hidden.shape
+        _check_rows(hidden, "hidden")
+        if hidden.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
+            raise ValueError("greedy_head takes bfloat16 hidden states and weights")
+        if packed.shape[0] * HEAD_TILE < vocab or packed.shape[1] * 2 < dim:
+            raise ValueError("the packed head does not match the hidden states")
+        result = torch.empty(rows, dtype=torch.int64)
+        self._greedy_head(
+            hidden.data_ptr(), hidden.stride(0), rows, dim, packed.data_ptr(), vocab,
             result.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return result

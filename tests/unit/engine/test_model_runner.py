@@ -189,6 +189,35 @@ def test_execute_greedy_equals_argmax_of_execute(tiny_runner: ModelRunner) -> No
             assert model.compute_greedy(hidden, chunk=chunk).tolist() == expected
 
 
+def test_bf16_greedy_head_equals_argmax_of_execute() -> None:
+    """bf16 with the native kernels: the narrow head goes through the fused greedy head (where
+    the CPU has AVX-512 BF16) and picks exactly the argmax of execute()'s logits."""
+    runner = ModelRunner(
+        resolve_model("dummy:tiny"),
+        dtype=torch.bfloat16,
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=4 << 20,
+    )
+    kernels = runner.cpu_kernels
+    assert kernels is not None
+    assert (runner.model._greedy_head is not None) == kernels.has_greedy_head
+    allocator = BlockAllocator(runner.num_blocks, BLOCK_SIZE, seed=3)
+    generator = torch.Generator().manual_seed(5)
+    vocab = runner.model_config.vocab_size
+    prompts = {
+        seq: torch.randint(0, vocab, (length,), generator=generator).tolist()
+        for seq, length in enumerate((2, 9, 33))
+    }
+    batch = step(allocator, [(seq, tokens, 0, True) for seq, tokens in prompts.items()])
+    assert runner.execute_greedy(batch).tolist() == runner.execute(batch).argmax(-1).tolist()
+    with torch.inference_mode():
+        hidden = torch.randn(11, runner.model_config.hidden_size, generator=generator)
+        hidden = hidden.to(torch.bfloat16)
+        hidden[0] = 0.0  # all logits tie at 0: token 0
+        expected = runner.model.compute_logits(hidden).float().argmax(-1).tolist()
+        assert runner.model.compute_greedy(hidden).tolist() == expected
+
+
 @pytest.mark.parametrize("shape, block_size", [("tiny", 8), ("tiny", 32), ("smollm2-135m", 16)])
 def test_native_cpu_kernels_match_pytorch_ops(shape: str, block_size: int) -> None:
     """Same weights, same steps, float32: the logits with the native CPU kernels equal those of

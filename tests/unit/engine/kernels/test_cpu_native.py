@@ -158,3 +158,50 @@ def test_failed_build_leaves_pytorch_ops(monkeypatch, tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
         assert cpu_native._load() is None
     assert "failed" in caplog.text and not list((tmp_path / "kernels").glob("*.so"))
+
+
+def _bf16_logits_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the unfused head answers: float32 products rounded to bf16 logits, first max."""
+    return (hidden.float() @ weight.float().T).to(torch.bfloat16).float().argmax(-1)
+
+
+@pytest.mark.parametrize("dim", [16, 17, 64, 200])  # even, odd (padded pair), wider
+@pytest.mark.parametrize("rows", [1, 5, 8, 19])  # inside one block of 8, whole blocks, a tail
+@pytest.mark.parametrize("vocab", [37, 4099])  # a partial last tile of 16
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_head_matches_the_argmax_of_bf16_logits(kernels, dim, rows, vocab, threads) -> None:
+    if not kernels.has_greedy_head:
+        pytest.skip("this CPU build has no AVX-512 BF16: the engine keeps the unfused head")
+    generator = torch.Generator().manual_seed(dim * 1000 + rows * 10 + vocab)
+    weight = torch.randn(vocab, dim, generator=generator).to(torch.bfloat16)
+    hidden = torch.randn(rows + 3, dim, generator=generator).to(torch.bfloat16)[3:]  # strided
+    packed = kernels.pack_greedy_head(weight)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.greedy_head(hidden, packed, vocab)
+    finally:
+        torch.set_num_threads(previous)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, _bf16_logits_argmax(hidden, weight))
+
+
+def test_greedy_head_ties_go_to_the_lowest_id_across_lanes_tiles_and_threads(kernels) -> None:
+    if not kernels.has_greedy_head:
+        pytest.skip("this CPU build has no AVX-512 BF16: the engine keeps the unfused head")
+    vocab, dim = 200_003, 16  # wide enough for the two threads to split the tiles
+    generator = torch.Generator().manual_seed(7)
+    weight = (torch.randn(vocab, dim, generator=generator) * 0.01).to(torch.bfloat16)
+    target = torch.ones(dim, dtype=torch.bfloat16)
+    for token in (vocab - 2, 150_001, 77, 78):  # ties in another thread, tile and lane
+        weight[token] = target
+    hidden = torch.stack([target, torch.zeros(dim, dtype=torch.bfloat16)])
+    packed = kernels.pack_greedy_head(weight)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = kernels.greedy_head(hidden, packed, vocab).tolist()
+    finally:
+        torch.set_num_threads(previous)
+    assert got == [77, 0]  # the lowest of the tied ids; all-zero logits: token 0
+    assert got == _bf16_logits_argmax(hidden, weight).tolist()

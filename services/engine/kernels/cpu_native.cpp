@@ -13,7 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -195,9 +197,10 @@ inline int threads_for(int64_t work, int requested) {
   return static_cast<int>(useful < requested ? useful : requested);
 }
 
-// Scratch rows of float32 per thread, reused across calls.
-inline float* scratch(int64_t size) {
-  thread_local std::vector<float> buffer;
+// Per-thread scratch of any element type, reused across calls (one buffer per type).
+template <typename E>
+inline E* thread_buffer(int64_t size) {
+  thread_local std::vector<E> buffer;
   if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
   return buffer.data();
 }
@@ -210,7 +213,7 @@ void rms_norm(const T* x, int64_t x_stride, const T* residual, const T* weight, 
   const int64_t vector_end = dim - dim % kLanes;
 #pragma omp parallel for num_threads(threads_for(rows * dim, threads)) schedule(static)
   for (int64_t row = 0; row < rows; ++row) {
-    float* summed = scratch(dim);
+    float* summed = thread_buffer<float>(dim);
     const T* source = x + row * x_stride;
     Lanes squares = lanes_zero();
     float tail_squares = 0.0f;
@@ -314,147 +317,382 @@ void kv_store(const T* key, int64_t key_stride, const T* value, int64_t value_st
   }
 }
 
-// Decode attention of one sequence, all its heads, for head_dim = kChunks * 16. The sequence's
-// cache blocks are read once, whole ([block_size, kv_heads * dim] each, contiguous: streaming
-// reads the prefetchers follow), into float32 scratch rows; the products run from there with
-// the accumulators in registers. queries: [heads, dim] float32, already scaled; out [heads,
-// dim]; scratch: 2 * length * kv_heads * dim + length floats.
-template <typename T, int kChunks>
-void attend_fixed(const float* queries, const T* key_cache, const T* value_cache,
-                  const int32_t* table, int64_t length, int64_t kv_heads, int64_t group,
-                  int64_t block_size, float* scratch_rows, float* out) {
-  constexpr int64_t dim = kChunks * kLanes;
-  const int64_t width = kv_heads * dim;
-  float* keys = scratch_rows;
-  float* values = keys + length * width;
-  float* s = values + length * width;
-  for (int64_t first = 0; first < length; first += block_size) {
-    const int64_t rows = first + block_size < length ? block_size : length - first;
-    const int64_t offset = static_cast<int64_t>(table[first / block_size]) * block_size * width;
-    if (first + block_size < length) {  // the next block: start its loads early
-      const int64_t next = static_cast<int64_t>(table[first / block_size + 1]) * block_size;
-      __builtin_prefetch(key_cache + next * width);
-      __builtin_prefetch(value_cache + next * width);
-    }
-    for (int64_t i = 0; i < rows * width; i += kLanes) {
-      lanes_store(keys + first * width + i, lanes_load(key_cache + offset + i));
-      lanes_store(values + first * width + i, lanes_load(value_cache + offset + i));
-    }
+// Decode attention. One work item is one (sequence, KV head): the query heads that share the
+// KV head (its GQA group, up to kMaxGroupTile at a time) read each key and value row once, from
+// the paged cache, in place. Scores come sixteen keys at a time: per key, one partial-product
+// vector per query head (an FMA per 16 dims, no horizontal sum), then one transpose-add of the
+// sixteen partials gives the sixteen scores (sum_rows16: 45 shuffles and adds for 16 keys, a
+// third of a horizontal sum per key). The softmax runs over those score rows in lanes; values
+// are weighted with the probabilities broadcast over V rows, accumulators in registers.
+// With AVX512-BF16 and a bfloat16 cache, the products are vdpbf16ps on the cached bf16 as it
+// lies (32 products an instruction, no conversion): keys against the bf16 query, values
+// against pairs of probabilities rounded to bf16 (as the eager path rounds them).
+// head_dim that is not a multiple of 16 takes a plain scalar path.
+constexpr int64_t kMaxGroupTile = 8;  // query heads per pass over a KV head (accumulators)
+
+inline int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// Lane i of the result = the sum of the sixteen lanes of rows[i].
+#if defined(__AVX512F__)
+inline Lanes sum_rows16(const Lanes* rows) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const __m512 a = rows[2 * i].v, b = rows[2 * i + 1].v;
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   }
-  for (int64_t head = 0; head < kv_heads * group; ++head) {
-    const int64_t column = (head / group) * dim;
-    Lanes query[kChunks];
-    for (int c = 0; c < kChunks; ++c) query[c] = lanes_load(queries + head * dim + c * kLanes);
-    float peak = -std::numeric_limits<float>::infinity();
-    for (int64_t pos = 0; pos < length; ++pos) {
-      const float* k = keys + pos * width + column;
-      Lanes partial = query[0] * lanes_load(k);
-      for (int c = 1; c < kChunks; ++c) partial = fma(query[c], lanes_load(k + c * kLanes), partial);
-      s[pos] = reduce_add(partial);
-      peak = s[pos] > peak ? s[pos] : peak;
-    }
-    float total = 0.0f;
-    int64_t pos = 0;
-    if (length >= kLanes) {
-      Lanes totals = lanes_zero();
-      for (; pos + kLanes <= length; pos += kLanes) {
-        const Lanes e = lanes_exp(lanes_load(s + pos) - lanes_set(peak));
-        lanes_store(s + pos, e);
-        totals = totals + e;
-      }
-      total = reduce_add(totals);
-    }
-    for (; pos < length; ++pos) {
-      s[pos] = fast_exp(s[pos] - peak);
-      total += s[pos];
-    }
-    Lanes accum[kChunks];
-    for (int c = 0; c < kChunks; ++c) accum[c] = lanes_zero();
-    for (pos = 0; pos < length; ++pos) {
-      const Lanes weight = lanes_set(s[pos]);
-      const float* v = values + pos * width + column;
-      for (int c = 0; c < kChunks; ++c) accum[c] = fma(weight, lanes_load(v + c * kLanes), accum[c]);
-    }
-    const Lanes inverse = lanes_set(1.0f / total);
-    for (int c = 0; c < kChunks; ++c) {
-      lanes_store(out + head * dim + c * kLanes, accum[c] * inverse);
-    }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: rows 4i..4i+3 summed over that lane
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i) {  // then across the four 128-bit lanes, in two steps
+    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
+  }
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                        _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd))};
+}
+#else
+inline Lanes sum_rows16(const Lanes* rows) {
+  Lanes result;
+  for (int64_t i = 0; i < kLanes; ++i) result.v[i] = reduce_add(rows[i]);
+  return result;
+}
+#endif
+
+// scores[0, length) := exp(scale * (score - max)), and 0 on [length, padded); returns the sum.
+// padded is a multiple of 16.
+inline float exp_scores(float* scores, int64_t length, int64_t padded, float scale) {
+  for (int64_t i = length; i < padded; ++i) scores[i] = -std::numeric_limits<float>::infinity();
+  Lanes peaks = lanes_set(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < padded; i += kLanes) peaks = lanes_max(peaks, lanes_load(scores + i));
+  const Lanes peak = lanes_set(reduce_max(peaks)), factor = lanes_set(scale);
+  Lanes totals = lanes_zero();
+  for (int64_t i = 0; i < padded; i += kLanes) {
+    const Lanes e = lanes_exp((lanes_load(scores + i) - peak) * factor);  // exp(-inf) = 0
+    lanes_store(scores + i, e);
+    totals = totals + e;
+  }
+  return reduce_add(totals);
+}
+
+// Start loading a cache row's head slice of `dim` elements.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < dim * static_cast<int64_t>(sizeof(T)); i += 64) {
+    __builtin_prefetch(bytes + i);
   }
 }
 
-// The same for any head_dim, plainly, straight from the cache (models with unusual head sizes).
+// How far ahead of the row in use the next rows are prefetched.
+constexpr int64_t kPrefetchAhead = 16;
+
+// The rows of the work item a thread does next, prefetched into L2 a few cache lines at a time
+// from inside the current item's loops (one burst of prefetches up front would stall the loads
+// of the current item behind it): `step` per key handled keeps memory busy while computing.
+struct NextRows {
+  const char* keys = nullptr;    // the caches, as bytes
+  const char* values = nullptr;
+  const int32_t* table = nullptr;  // the next sequence's block table
+  int64_t block_size = 0, row_bytes = 0, column_bytes = 0, slice_bytes = 0;
+  int64_t rows = 0, pos = 0, line = 0;  // rows to prefetch, the cursor (row, byte in the slice)
+
+  void step() {  // two lines of each cache a key (measured: 1 too few, 3-6 no better)
+    for (int i = 0; i < 2; ++i) step_line();
+  }
+
+  void step_line() {
+    if (pos >= rows) return;
+    const int64_t block = table[pos / block_size];
+    const int64_t offset = (block * block_size + pos % block_size) * row_bytes + column_bytes;
+    __builtin_prefetch(keys + offset + line, 0, 2);  // locality 2: into L2 (prefetcht1)
+    __builtin_prefetch(values + offset + line, 0, 2);
+    line += 64;
+    if (line >= slice_bytes) {
+      line = 0;
+      ++pos;
+    }
+  }
+};
+
+// G query heads over one KV head, head_dim a multiple of 16, float32 products. queries [G, dim]
+// float32, already scaled; rows [length]: element offset of each key's head slice in the
+// caches; scores: G * round_up(length, 16) floats of scratch; out [G, dim] float32.
+template <typename T, int G>
+void attend_lanes(const float* queries, const T* key_cache, const T* value_cache,
+                  const int64_t* rows, int64_t length, int64_t dim, float* scores, float* out,
+                  NextRows& next) {
+  const int64_t padded = round_up(length, kLanes);
+  Lanes partials[G][kLanes];
+  for (int64_t first = 0; first < length; first += kLanes) {
+    const int64_t count = length - first < kLanes ? length - first : kLanes;
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t pos = first + j;
+      if (pos + kPrefetchAhead < length) prefetch_row(key_cache + rows[pos + kPrefetchAhead], dim);
+      prefetch_row(value_cache + rows[pos], dim);  // for the weighting below
+      next.step();
+      const T* key = key_cache + rows[pos];
+      Lanes dots[G];
+      for (int g = 0; g < G; ++g) dots[g] = lanes_zero();
+      for (int64_t c = 0; c < dim; c += kLanes) {
+        const Lanes k = lanes_load(key + c);
+        for (int g = 0; g < G; ++g) dots[g] = fma(lanes_load(queries + g * dim + c), k, dots[g]);
+      }
+      for (int g = 0; g < G; ++g) partials[g][j] = dots[g];
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int64_t j = count; j < kLanes; ++j) partials[g][j] = lanes_zero();
+      lanes_store(scores + g * padded + first, sum_rows16(partials[g]));
+    }
+  }
+  float inverse[G];
+  for (int g = 0; g < G; ++g) {
+    inverse[g] = 1.0f / exp_scores(scores + g * padded, length, padded, 1.0f);
+  }
+  for (int64_t c = 0; c < dim; c += kLanes) {
+    Lanes sums[G];
+    for (int g = 0; g < G; ++g) sums[g] = lanes_zero();
+    for (int64_t pos = 0; pos < length; ++pos) {
+      next.step();
+      const Lanes v = lanes_load(value_cache + rows[pos] + c);
+      for (int g = 0; g < G; ++g) sums[g] = fma(lanes_set(scores[g * padded + pos]), v, sums[g]);
+    }
+    for (int g = 0; g < G; ++g) lanes_store(out + g * dim + c, sums[g] * lanes_set(inverse[g]));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same for a bfloat16 cache with vdpbf16ps. queries [G, padded_dim] bf16 as the model
+// made them (unscaled), zero past dim, padded_dim = round_up(dim, 32); probabilities: G *
+// round_up(length, 16) bf16 of scratch. A head_dim of 16 mod 32 loads its last 16 dims masked.
+template <int G>
+void attend_bf16_dot(const bf16* queries, int64_t padded_dim, const bf16* key_cache,
+                     const bf16* value_cache, const int64_t* rows, int64_t length, int64_t dim,
+                     float scale, float* scores, bf16* probabilities, float* out,
+                     NextRows& next) {
+  const int64_t padded = round_up(length, kLanes);
+  Lanes partials[G][kLanes];
+  for (int64_t first = 0; first < length; first += kLanes) {
+    const int64_t count = length - first < kLanes ? length - first : kLanes;
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t pos = first + j;
+      if (pos + kPrefetchAhead < length) prefetch_row(key_cache + rows[pos + kPrefetchAhead], dim);
+      prefetch_row(value_cache + rows[pos], dim);
+      next.step();
+      const bf16* key = key_cache + rows[pos];
+      __m512 dots[G];
+      for (int g = 0; g < G; ++g) dots[g] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < padded_dim; c += 32) {
+        const __mmask32 mask = c + 32 <= dim ? 0xffffffffu : 0x0000ffffu;
+        const __m512bh k = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, key + c));
+        for (int g = 0; g < G; ++g) {
+          const __m512i q = _mm512_loadu_si512(queries + g * padded_dim + c);
+          dots[g] = _mm512_dpbf16_ps(dots[g], reinterpret_cast<__m512bh>(q), k);
+        }
+      }
+      for (int g = 0; g < G; ++g) partials[g][j] = {dots[g]};
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int64_t j = count; j < kLanes; ++j) partials[g][j] = lanes_zero();
+      lanes_store(scores + g * padded + first, sum_rows16(partials[g]));
+    }
+  }
+  float inverse[G];
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * padded;
+    inverse[g] = 1.0f / exp_scores(s, length, padded, scale);
+    for (int64_t i = 0; i < padded; i += kLanes) {  // round to nearest even, as PyTorch does
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probabilities + g * padded + i),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i))));
+    }
+  }
+  // Two keys at a time: their rows interleaved bf16 by bf16 (unpacklo/hi, within 128-bit
+  // lanes), times the pair (p[pos], p[pos + 1]); an odd length pairs its last row with zeros
+  // (and probability 0: the padding above). Lane i of `low` holds dim c + 8 (i / 4) + i % 4,
+  // of `high` that + 4.
+  for (int64_t c = 0; c < padded_dim; c += 32) {
+    const __mmask32 mask = c + 32 <= dim ? 0xffffffffu : 0x0000ffffu;
+    __m512 low[G], high[G];
+    for (int g = 0; g < G; ++g) low[g] = high[g] = _mm512_setzero_ps();
+    for (int64_t pos = 0; pos < length; pos += 2) {
+      next.step();
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, value_cache + rows[pos] + c);
+      const __m512i b = pos + 1 < length
+                            ? _mm512_maskz_loadu_epi16(mask, value_cache + rows[pos + 1] + c)
+                            : _mm512_setzero_si512();
+      const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+      const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+      for (int g = 0; g < G; ++g) {
+        uint32_t pair;
+        std::memcpy(&pair, probabilities + g * padded + pos, sizeof(pair));
+        const __m512bh weight = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        low[g] = _mm512_dpbf16_ps(low[g], lo, weight);
+        high[g] = _mm512_dpbf16_ps(high[g], hi, weight);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float lanes_low[kLanes], lanes_high[kLanes];
+      _mm512_storeu_ps(lanes_low, low[g]);
+      _mm512_storeu_ps(lanes_high, high[g]);
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const int64_t d = c + 8 * (i / 4) + i % 4;
+        if (d < dim) out[g * dim + d] = lanes_low[i] * inverse[g];
+        if (d + 4 < dim) out[g * dim + d + 4] = lanes_high[i] * inverse[g];
+      }
+    }
+  }
+}
+#endif
+
+// Any head_dim, plainly (models with unusual head sizes). queries [G, dim] float32, scaled.
 template <typename T>
-void attend_generic(const float* queries, const T* key_cache, const T* value_cache,
-                    const int32_t* table, int64_t length, int64_t kv_heads, int64_t group,
-                    int64_t dim, int64_t block_size, float* s, float* out) {
-  for (int64_t head = 0; head < kv_heads * group; ++head) {
-    const int64_t kv_head = head / group;
+void attend_plain(const float* queries, int64_t heads, const T* key_cache, const T* value_cache,
+                  const int64_t* rows, int64_t length, int64_t dim, float* scores, float* out) {
+  for (int64_t head = 0; head < heads; ++head) {
     const float* q = queries + head * dim;
     float peak = -std::numeric_limits<float>::infinity();
     for (int64_t pos = 0; pos < length; ++pos) {
-      const int64_t slot =
-          static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-      const T* k = key_cache + (slot * kv_heads + kv_head) * dim;
+      const T* k = key_cache + rows[pos];
       float dot = 0.0f;
       for (int64_t i = 0; i < dim; ++i) dot += q[i] * to_float(k[i]);
-      s[pos] = dot;
+      scores[pos] = dot;
       peak = dot > peak ? dot : peak;
     }
     float total = 0.0f;
     for (int64_t pos = 0; pos < length; ++pos) {
-      s[pos] = fast_exp(s[pos] - peak);
-      total += s[pos];
+      scores[pos] = fast_exp(scores[pos] - peak);
+      total += scores[pos];
     }
     float* o = out + head * dim;
     for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
     for (int64_t pos = 0; pos < length; ++pos) {
-      const int64_t slot =
-          static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-      const T* v = value_cache + (slot * kv_heads + kv_head) * dim;
-      const float weight = s[pos] / total;
+      const T* v = value_cache + rows[pos];
+      const float weight = scores[pos] / total;
       for (int64_t i = 0; i < dim; ++i) o[i] += weight * to_float(v[i]);
     }
   }
 }
 
+// G query heads (query rows with a head stride) over one KV head's rows; writes out [G, dim].
+template <typename T, int G>
+void attend_tile(const T* query, int64_t head_stride, const T* key_cache, const T* value_cache,
+                 const int64_t* rows, int64_t length, int64_t dim, float scale, T* out,
+                 NextRows& next) {
+  const int64_t padded = round_up(length, kLanes);
+  float* scores = thread_buffer<float>(G * (padded + 2 * dim));
+  float* result = scores + G * padded;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (dim % kLanes == 0) {
+      const int64_t padded_dim = round_up(dim, 32);
+      bf16* queries = thread_buffer<bf16>(G * (padded_dim + padded));
+      for (int g = 0; g < G; ++g) {
+        std::memcpy(queries + g * padded_dim, query + g * head_stride, dim * sizeof(bf16));
+        std::memset(queries + g * padded_dim + dim, 0, (padded_dim - dim) * sizeof(bf16));
+      }
+      attend_bf16_dot<G>(queries, padded_dim, key_cache, value_cache, rows, length, dim, scale,
+                         scores, queries + G * padded_dim, result, next);
+      for (int64_t i = 0; i < G * dim; ++i) out[i] = from_float<T>(result[i]);
+      return;
+    }
+  }
+#endif
+  float* queries = result + G * dim;
+  for (int g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < dim; ++i) {
+      queries[g * dim + i] = to_float(query[g * head_stride + i]) * scale;
+    }
+  }
+  if (dim % kLanes == 0) {
+    attend_lanes<T, G>(queries, key_cache, value_cache, rows, length, dim, scores, result, next);
+  } else {
+    attend_plain<T>(queries, G, key_cache, value_cache, rows, length, dim, scores, result);
+  }
+  for (int64_t i = 0; i < G * dim; ++i) out[i] = from_float<T>(result[i]);
+}
+
 // One query token per sequence over its paged KV cache. query [batch, heads, dim] with a row
 // and head stride; caches [slots, kv_heads, dim]; block_tables [batch, table_stride] int32;
 // seq_lens [batch] (keys per sequence, the new token's included); out [batch, heads, dim].
-// Work items are sequences; scores are computed for all keys, then softmaxed, then the values
-// are weighted (keys and values each read once).
+//
+// A work item is a sequence, all its KV heads (each cache row, all heads, lies contiguous: one
+// stream of whole blocks), or with fewer sequences than twice the threads a (sequence, KV head).
+// The kernel is bound by memory, not arithmetic: every step reads every cached row once and
+// none of it is in cache (the layers in between stream the weights). So items are claimed one
+// ahead, and while a thread computes one item the rows of its next one are prefetched into L2
+// (into the L2 of the thread that will use them, which OpenMP's dynamic schedule cannot know).
 template <typename T>
 void decode_attention(const T* query, int64_t query_stride, int64_t query_head_stride,
                       const T* key_cache, const T* value_cache, const int32_t* block_tables,
                       int64_t table_stride, const int32_t* seq_lens, T* out, int64_t batch,
                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                       float scale, int threads) {
-  const int64_t group = heads / kv_heads;
+  const int64_t group = heads / kv_heads, width = kv_heads * dim;
   int64_t total_keys = 0;
   for (int64_t b = 0; b < batch; ++b) total_keys += seq_lens[b];
-#pragma omp parallel for num_threads(threads_for(total_keys * heads * dim / 8, threads)) \
-    schedule(dynamic, 1)
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t length = seq_lens[b];
-    float* queries = scratch(heads * dim * 2 + (2 * kv_heads * dim + 1) * length);
-    float* result = queries + heads * dim;
-    float* rest = result + heads * dim;
-    for (int64_t head = 0; head < heads; ++head) {
-      const T* q = query + b * query_stride + head * query_head_stride;
-      for (int64_t i = 0; i < dim; ++i) queries[head * dim + i] = to_float(q[i]) * scale;
+  const int used = threads_for(total_keys * heads * dim / 8, threads);
+  const int64_t parts = batch >= 2 * used ? 1 : kv_heads;  // KV heads split per sequence
+  const int64_t heads_per_part = kv_heads / parts, items = batch * parts;
+  // Element offset of a sequence's row `pos` (its first KV head) in the caches.
+  auto row_of = [&](int64_t b, int64_t pos) {
+    const int64_t block = block_tables[b * table_stride + pos / block_size];
+    return (block * block_size + pos % block_size) * width;
+  };
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(used)
+  {
+    int64_t item = claimed.fetch_add(1);
+    while (item < items) {
+      const int64_t next_item = claimed.fetch_add(1);
+      NextRows upcoming;
+      if (next_item < items) {
+        const int64_t b = next_item / parts;
+        upcoming = {reinterpret_cast<const char*>(key_cache),
+                    reinterpret_cast<const char*>(value_cache),
+                    block_tables + b * table_stride,
+                    block_size,
+                    width * static_cast<int64_t>(sizeof(T)),
+                    next_item % parts * heads_per_part * dim * static_cast<int64_t>(sizeof(T)),
+                    heads_per_part * dim * static_cast<int64_t>(sizeof(T))};
+        upcoming.rows = seq_lens[b];
+      }
+      const int64_t b = item / parts, length = seq_lens[b];
+      int64_t* rows = thread_buffer<int64_t>(length);
+      for (int64_t pos = 0; pos < length; ++pos) rows[pos] = row_of(b, pos);
+      const int64_t first_kv = item % parts * heads_per_part;
+      for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_part; ++kv_head) {
+        if (kv_head > first_kv) {
+          for (int64_t pos = 0; pos < length; ++pos) rows[pos] += dim;
+        } else if (kv_head > 0) {
+          for (int64_t pos = 0; pos < length; ++pos) rows[pos] += kv_head * dim;
+        }
+        for (int64_t first = 0; first < group; first += kMaxGroupTile) {
+          const int64_t head = kv_head * group + first;
+          const T* q = query + b * query_stride + head * query_head_stride;
+          T* target = out + (b * heads + head) * dim;
+          switch (group - first < kMaxGroupTile ? group - first : kMaxGroupTile) {
+#define SLUICE_TILE(G)                                                                          \
+  case G:                                                                                       \
+    attend_tile<T, G>(q, query_head_stride, key_cache, value_cache, rows, length, dim, scale, \
+                      target, upcoming);                                                        \
+    break;
+            SLUICE_TILE(1)
+            SLUICE_TILE(2)
+            SLUICE_TILE(3)
+            SLUICE_TILE(4)
+            SLUICE_TILE(5)
+            SLUICE_TILE(6)
+            SLUICE_TILE(7)
+            SLUICE_TILE(8)
+#undef SLUICE_TILE
+          }
+        }
+      }
+      item = next_item;
     }
-    const int32_t* table = block_tables + b * table_stride;
-    if (dim == 64) {
-      attend_fixed<T, 4>(queries, key_cache, value_cache, table, length, kv_heads, group,
-                         block_size, rest, result);
-    } else if (dim == 128) {
-      attend_fixed<T, 8>(queries, key_cache, value_cache, table, length, kv_heads, group,
-                         block_size, rest, result);
-    } else {
-      attend_generic<T>(queries, key_cache, value_cache, table, length, kv_heads, group, dim,
-                        block_size, rest, result);
-    }
-    T* target = out + b * heads * dim;
-    for (int64_t i = 0; i < heads * dim; ++i) target[i] = from_float<T>(result[i]);
   }
 }
 

@@ -6,6 +6,7 @@ broken build fails these tests instead of silently leaving the engine on its slo
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -90,24 +91,21 @@ def test_argmax_rows_matches_torch_first_index_on_ties(kernels, dtype) -> None:
     assert torch.equal(kernels.argmax_rows(strided), strided.float().argmax(-1))
 
 
-@pytest.mark.parametrize("dtype, tolerance", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the two register-blocked sizes, generic
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])
-@pytest.mark.parametrize("block_size", [16, 8, 32])
-def test_decode_attention_matches_a_float64_reference(
-    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads, block_size
+def _check_decode_attention(
+    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads, block_size, lengths, seed
 ) -> None:
-    generator = torch.Generator().manual_seed(head_dim + num_heads + block_size)
-    num_blocks = 40 * 16 // block_size + 8
-    lengths = [1, 15, 16, 17, 70, 130]
-    permutation = torch.randperm(num_blocks, generator=generator).tolist()
+    """Decode attention over randomly placed cache blocks against a float64 reference."""
+    generator = torch.Generator().manual_seed(seed)
     width = -(-max(lengths) // block_size)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    permutation = torch.randperm(num_blocks, generator=generator).tolist()
     tables = [[permutation.pop() for _ in range(-(-n // block_size))] for n in lengths]
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, generator=generator).to(dtype)
     value_cache = torch.randn(shape, generator=generator).to(dtype)
-    query = torch.randn(len(lengths), num_heads, head_dim, generator=generator).to(dtype)
+    wide = torch.randn(len(lengths), num_heads, head_dim + 8, generator=generator).to(dtype)
+    query = wide[..., :head_dim]  # strided heads, as the query part of a qkv row
     scale = head_dim**-0.5
     out = kernels.decode_attention(
         query,
@@ -125,12 +123,51 @@ def test_decode_attention_matches_a_float64_reference(
         blocks = torch.tensor(table)[positions // block_size]
         keys = key_cache[blocks, positions % block_size].double()  # [L, KVH, D]
         values = value_cache[blocks, positions % block_size].double()
-        for head in range(num_heads):
-            weights = (keys[:, head // group] @ query[row, head].double() * scale).softmax(-1)
-            expected = weights @ values[:, head // group]
-            torch.testing.assert_close(
-                out[row, head].double(), expected, atol=tolerance, rtol=tolerance
-            )
+        grouped = query[row].double().view(num_kv_heads, group, head_dim)
+        weights = (grouped @ keys.permute(1, 2, 0) * scale).softmax(-1)  # [KVH, G, L]
+        expected = (weights @ values.transpose(0, 1)).reshape(num_heads, head_dim)
+        torch.testing.assert_close(out[row].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 80, 48, 24])  # lanes; 16 mod 32; plain
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (16, 2), (20, 2)])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_decode_attention_matches_a_float64_reference(
+    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads, block_size
+) -> None:
+    # GQA groups 3, 1, 8 and 10 (more than one pass of 8 heads); lengths around the 16-key
+    # tiles and the blocks; the batch is large enough for one item per sequence.
+    lengths = [1, 2, 15, 16, 17, 31, 33, 70, 130]
+    _check_decode_attention(
+        kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads, block_size, lengths,
+        seed=head_dim + num_heads + block_size,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 16])
+@pytest.mark.parametrize("lengths", [[4096], [4095, 3], [1000, 2049, 7, 513, 64]])
+def test_decode_attention_long_contexts_and_small_batches(
+    kernels, dtype, tolerance, head_dim, lengths
+) -> None:
+    # Fewer sequences than twice the threads split their KV heads into separate work items.
+    _check_decode_attention(
+        kernels, dtype, tolerance, head_dim, 8, 2, 16, lengths, seed=len(lengths) + head_dim
+    )
+
+
+def test_decode_attention_without_avx512_bf16_matches(tmp_path, monkeypatch) -> None:
+    """The float32-product path that bfloat16 caches take on CPUs without AVX512-BF16 (this
+    CPU may have it: the library is built once more with the extension switched off)."""
+    monkeypatch.setattr(cpu_native, "FLAGS", (*cpu_native.FLAGS, "-mno-avx512bf16"))
+    path = tmp_path / "no_bf16.so"
+    cpu_native.build(path)
+    plain = cpu_native.CpuKernels(ctypes.CDLL(str(path)))
+    for head_dim in (16, 64, 80):
+        _check_decode_attention(
+            plain, torch.bfloat16, 1e-2, head_dim, 9, 3, 16, [1, 17, 130, 300], seed=head_dim
+        )
 
 
 def test_library_is_built_once_and_named_by_its_inputs(kernels, tmp_path, monkeypatch) -> None:

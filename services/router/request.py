@@ -6,7 +6,8 @@ nothing leaves FINISHED. The servicer awaits only this request's channel; the en
 detokenizer push into it from their reader tasks, so no servicer ever waits on another request.
 
 The channel is a list plus one future (cheaper than asyncio.Queue on the per-token path). When
-the client reads slower than engine steps arrive, pending pieces are merged into one response.
+the client reads slower than engine steps arrive, pending pieces are merged (`absorb`) into
+the one response that goes next.
 After the first response, pieces are held until the router's pacing (pacing.py: a fixed
 `--stream-interval` N, or N adapted to the router's token rate) has N new tokens pending; the
 end, an error, the deadline and the pacing's hold limit (`flush_held`) always flush. So each
@@ -79,8 +80,8 @@ class RouterRequest:
     engine_done: bool = False  # the engine has finished or dropped it (no abort needed)
     detokenizer_open: bool = False  # the detokenizer holds state for it
     pacing: StreamPacing = ONE_TOKEN_PER_RESPONSE  # tokens a response gathers (the first: 1)
-    _pieces: list[OutputPiece] = field(default_factory=list)
-    _pending_tokens: int = 0  # tokens in _pieces
+    _pending: OutputPiece | None = None  # what the next response carries (pieces merged)
+    _pending_tokens: int = 0  # tokens in _pending
     _send_at: int = 1  # pending tokens that make the next response due
     _held_since: float | None = None  # when the oldest held-back piece arrived
     _error: SluiceError | None = None
@@ -123,7 +124,10 @@ class RouterRequest:
         tokens = len(piece.token_ids)
         self.completion_tokens += tokens
         self._pending_tokens += tokens
-        self._pieces.append(piece)
+        if self._pending is None:
+            self._pending = piece
+        else:
+            absorb(self._pending, piece)
         if piece.finish_reason:
             self.state = RequestState.FINISHED
         elif self._pending_tokens < self._send_at:
@@ -135,7 +139,7 @@ class RouterRequest:
     def flush_held(self, held_before: float) -> None:
         """Send held-back pieces now if the oldest arrived before `held_before` (monotonic s)."""
         since = self._held_since
-        if since is not None and since < held_before and self._pieces:
+        if since is not None and since < held_before and self._pending is not None:
             self._send_at = 0
             self._wake()
 
@@ -166,10 +170,10 @@ class RouterRequest:
         Raises the request's error once its pieces before it are read, and TimeoutError when
         `timeout` passes with nothing new.
         """
-        while not self._pieces or (
+        while self._pending is None or (
             self._pending_tokens < self._send_at and self.state is not RequestState.FINISHED
         ):
-            if not self._pieces:
+            if self._pending is None:
                 if self._error is not None:
                     raise self._error
                 if self.finished:
@@ -181,31 +185,27 @@ class RouterRequest:
                 else:
                     await asyncio.wait_for(self._waiter, timeout)
             except TimeoutError:
-                if not self._pieces:
+                if self._pending is None:
                     raise
                 break  # the deadline: send what is held back first
             finally:
                 self._waiter = None
-        pieces = self._pieces
-        self._pieces = []
+        piece = self._pending
+        self._pending = None
         self._pending_tokens = 0
         self._send_at = self.pacing.interval
         self._held_since = None
-        return pieces[0] if len(pieces) == 1 else merge_pieces(pieces)
+        return piece
 
 
-def merge_pieces(pieces: list[OutputPiece]) -> OutputPiece:
-    """One piece carrying several in order: text and tokens concatenated, the last's ending."""
-    last = pieces[-1]
-    merged = OutputPiece(
-        text="".join(p.text for p in pieces),
-        finish_reason=last.finish_reason,
-        matched_stop=last.matched_stop,
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
-        cached_prompt_tokens=last.cached_prompt_tokens,
-    )
-    for piece in pieces:
-        merged.token_ids.extend(piece.token_ids)
-        merged.logprobs.extend(piece.logprobs)
-    return merged
+def absorb(into: OutputPiece, piece: OutputPiece) -> None:
+    """Append `piece` to `into` in place: text, tokens and logprobs after its own; its ending."""
+    into.text += piece.text
+    into.token_ids += piece.token_ids
+    if piece.logprobs:
+        into.logprobs += piece.logprobs
+    into.finish_reason = piece.finish_reason
+    into.matched_stop = piece.matched_stop
+    into.prompt_tokens = piece.prompt_tokens
+    into.completion_tokens = piece.completion_tokens
+    into.cached_prompt_tokens = piece.cached_prompt_tokens

@@ -56,5 +56,5 @@ def test_one_message_per_step_and_first_tokens_are_pushed_first() -> None:
         response.deltas.add(request_id=rid, text=rid.upper())
     streamer.on_detokenized(response)
     assert order == ["b", "a", "c"]
-    assert [p.text for p in running["b"]._pieces] == ["B"]
-    assert [p.text for p in running["a"]._pieces] == ["", "A"]
+    assert running["b"]._pending.text == "B"
+    assert (running["a"]._pending.text, running["a"]._pending.token_ids) == ("A", [7, 10])

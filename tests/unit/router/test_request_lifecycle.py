@@ -15,7 +15,7 @@ from services.router.request import (
     OutputPiece,
     RequestState,
     RouterRequest,
-    merge_pieces,
+    absorb,
 )
 
 
@@ -88,19 +88,12 @@ def test_deadline_helpers() -> None:
     assert make().remaining() is None and not make().expired()
 
 
-def test_merge_keeps_last_ending() -> None:
-    merged = merge_pieces(
-        [
-            OutputPiece(text="a", token_ids=[1]),
-            OutputPiece(text="b", token_ids=[2], matched_stop="b", finish_reason=3),
-        ]
-    )
-    assert (merged.text, merged.token_ids, merged.finish_reason, merged.matched_stop) == (
-        "ab",
-        [1, 2],
-        3,
-        "b",
-    )
+def test_absorb_appends_in_order_and_keeps_the_last_ending() -> None:
+    merged = OutputPiece(text="a", token_ids=[1], logprobs=["lp1"])
+    absorb(merged, OutputPiece(text="b", token_ids=[2], logprobs=["lp2"]))
+    absorb(merged, OutputPiece(text="c", token_ids=[3], matched_stop="c", finish_reason=3))
+    assert (merged.text, merged.token_ids, merged.logprobs) == ("abc", [1, 2, 3], ["lp1", "lp2"])
+    assert (merged.finish_reason, merged.matched_stop) == (3, "c")
 
 
 def test_stream_interval_holds_pieces_until_enough_tokens() -> None:
@@ -164,6 +157,6 @@ def test_flush_held_sends_pieces_held_past_the_limit_and_no_others() -> None:
         assert piece.token_ids == [2]
         # The interval is read again after each send: still 4 tokens for the next one.
         request.push(OutputPiece(text="c", token_ids=[3]))
-        assert not request._pieces or request._pending_tokens < request._send_at
+        assert request._pending is not None and request._pending_tokens < request._send_at
 
     asyncio.run(scenario())

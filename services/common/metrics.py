@@ -112,6 +112,14 @@ ROUTER_REJECTED_REQUESTS = Counter(
 ROUTER_RUNNING_REQUESTS = Gauge(
     "sluice_router_running_requests", "Requests placed on an engine and not yet finished."
 )
+ROUTER_STREAM_INTERVAL = Gauge(
+    "sluice_router_stream_interval",
+    "Tokens a streamed response gathers now (adaptive pacing: 1 below the message budget).",
+)
+ROUTER_STREAMED_TOKENS_PER_SECOND = Gauge(
+    "sluice_router_streamed_tokens_per_second",
+    "Tokens per second the router streams, as its adaptive pacing measures them.",
+)
 ROUTER_FINISHED_REQUESTS = Counter(
     "sluice_router_finished_requests", "Requests finished, by final gRPC status name.", ["status"]
 )

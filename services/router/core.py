@@ -122,6 +122,8 @@ class RouterCore:
             await asyncio.sleep(pacing.max_hold_s / 2)
             now = time.monotonic()
             pacing.idle(now)
+            metrics.ROUTER_STREAM_INTERVAL.set(pacing.interval)
+            metrics.ROUTER_STREAMED_TOKENS_PER_SECOND.set(pacing.tokens_per_s)
             held_before = now - pacing.max_hold_s
             for request in self.running.values():
                 request.flush_held(held_before)

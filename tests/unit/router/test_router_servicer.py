@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
 
 from protos.sluice.v1 import (
     common_pb2,
@@ -112,6 +113,9 @@ def test_adaptive_pacing_gathers_tokens_above_the_message_budget() -> None:
             assert max(len(r.token_ids) for r in responses) <= 4  # --stream-max-interval
             assert len(responses) < 400 * 0.6  # several tokens per response, once measured
         assert stack.core.pacing.interval == 4
+        await asyncio.sleep(0.06)  # the sweep publishes it for operators
+        assert REGISTRY.get_sample_value("sluice_router_stream_interval") == 4
+        assert REGISTRY.get_sample_value("sluice_router_streamed_tokens_per_second") > 100
 
     # 4 streams of a step every 2 ms against a budget of 100 responses/s: interval capped at 4.
     run_stack(

@@ -13,7 +13,8 @@ faster than PyTorch's CPU flash kernel for decodes and for prefill chunks of 48+
 chunks, whose float32 scores would be large, and CUDA use scaled_dot_product_attention. With
 native CPU kernels bound (`cpu_kernels`, kernels/cpu_native.py) the KV write is one call and
 decodes read their keys and values straight from the paged cache, each sequence to its own
-length (no gather, no padding, no masks to build).
+length (no gather, no padding, no masks to build), and all prefill chunks of a step are one
+flash-style causal kernel call over the same cache (no slots, no masks, no per-chunk matmuls).
 """
 
 from __future__ import annotations
@@ -72,10 +73,15 @@ class _StepPlan:
     decode_blocks: torch.Tensor | None = None  # [B_decode, blocks covering max_len] int64
     decode_lengths: torch.Tensor | None = None  # [B_decode] int64
     block_size: int = 16
-    # Planned for the native CPU decode kernel (no gather indices): its block tables [B_decode,
-    # max_blocks] and key counts [B_decode], int32 views of the metadata.
+    # Planned for the native CPU kernels (no gather indices, no masks), int32 views of the
+    # metadata: the decodes' block tables [B_decode, max_blocks] and key counts [B_decode]; the
+    # prefills' block tables, token offsets in the batch [P + 1] and key counts [P].
+    native: bool = False
     native_tables: torch.Tensor | None = None
     native_lengths: torch.Tensor | None = None
+    native_prefill_tables: torch.Tensor | None = None
+    native_prefill_starts: torch.Tensor | None = None
+    native_prefill_lengths: torch.Tensor | None = None
     # Per-step caches shared by all layers, made on first use.
     additive_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     decode_rows: torch.Tensor | None = None
@@ -121,7 +127,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         native = self.cpu_kernels is not None and metadata.slot_mapping.device.type == "cpu"
-        metadata.backend_state[_STATE_KEY] = _plan(metadata, gather_decodes=not native)
+        metadata.backend_state[_STATE_KEY] = _plan(metadata, native=native)
 
     def forward(
         self,
@@ -144,7 +150,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             flat_keys.index_copy_(0, metadata.slot_mapping, key.to(flat_keys.dtype))
             flat_values.index_copy_(0, metadata.slot_mapping, value.to(flat_values.dtype))
-            if plan.native_tables is not None:  # planned for the native kernel, run without it
+            if plan.native:  # planned for the native kernels, run without them
                 plan = metadata.backend_state[_STATE_KEY] = _plan(metadata)
 
         if not plan.prefills and not query.is_cuda:  # pure decode on CPU: no output copy
@@ -170,6 +176,23 @@ class TorchAttentionBackend(AttentionBackend):
             output[: plan.num_decodes] = decode(
                 query[: plan.num_decodes], flat_keys, flat_values, plan
             )
+        if plan.native and plan.prefills:  # every chunk in one call, into output's rows
+            same_dtype = output.dtype == flat_keys.dtype
+            out = self.cpu_kernels.prefill_attention(
+                query,
+                flat_keys,
+                flat_values,
+                plan.native_prefill_tables,
+                plan.native_prefill_starts,
+                plan.native_prefill_lengths,
+                self.num_kv_heads,
+                plan.block_size,
+                self.scale,
+                out=output if same_dtype else None,
+            )
+            if not same_dtype:
+                output[plan.num_decodes :] = out[plan.num_decodes :]
+            return
         for chunk in plan.prefills:
             output[chunk.token_start : chunk.token_end] = self._prefill(
                 query, key, value, flat_keys, flat_values, chunk
@@ -179,7 +202,7 @@ class TorchAttentionBackend(AttentionBackend):
         """The decode implementation for this step: (query, flat_keys, flat_values, plan)."""
         if query.is_cuda:
             return self._decode_sdpa
-        return self._decode_matmul if plan.native_tables is None else self._decode_native
+        return self._decode_native if plan.native else self._decode_matmul
 
     def _decode_native(
         self,
@@ -296,9 +319,9 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return additive.masked_fill_(~allowed, float("-inf"))
 
 
-def _plan(metadata: AttentionMetadata, gather_decodes: bool = True) -> _StepPlan:
-    """The step's decode/prefill split; gather indices and masks for the decodes only when
-    `gather_decodes` (the native CPU kernel reads the block tables itself)."""
+def _plan(metadata: AttentionMetadata, native: bool = False) -> _StepPlan:
+    """The step's decode/prefill split; gather indices and masks only when not `native` (the
+    native CPU kernels read the block tables themselves)."""
     starts = metadata.query_start_loc_host or metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens_host or metadata.seq_lens.tolist()
     context_lens = metadata.context_lens_host or metadata.context_lens.tolist()
@@ -308,11 +331,11 @@ def _plan(metadata: AttentionMetadata, gather_decodes: bool = True) -> _StepPlan
         num_decodes += 1
     device = metadata.slot_mapping.device
     block_tables = metadata.block_tables
-    if gather_decodes or num_decodes < len(query_lens):
+    if not native:
         block_tables = block_tables.to(torch.int64)
     decode_slots = decode_mask = decode_blocks = lengths = None
     native_tables = native_lengths = None
-    if num_decodes and not gather_decodes:
+    if num_decodes and native:
         native_tables = metadata.block_tables[:num_decodes]
         native_lengths = metadata.seq_lens[:num_decodes]
     elif num_decodes:
@@ -327,7 +350,7 @@ def _plan(metadata: AttentionMetadata, gather_decodes: bool = True) -> _StepPlan
     for index in range(num_decodes, len(query_lens)):
         context = context_lens[index]
         slots = mask = None
-        if context > 0:
+        if context > 0 and not native:
             seq_len = seq_lens[index]
             slots = _slots_for(block_tables[index : index + 1], seq_len, None, metadata)[0][0]
             query_positions = torch.arange(context, seq_len, device=device).unsqueeze(1)
@@ -342,8 +365,12 @@ def _plan(metadata: AttentionMetadata, gather_decodes: bool = True) -> _StepPlan
         decode_blocks=decode_blocks,
         decode_lengths=lengths,
         block_size=metadata.block_size,
+        native=native,
         native_tables=native_tables,
         native_lengths=native_lengths,
+        native_prefill_tables=metadata.block_tables[num_decodes:] if native else None,
+        native_prefill_starts=metadata.query_start_loc[num_decodes:] if native else None,
+        native_prefill_lengths=metadata.seq_lens[num_decodes:] if native else None,
     )
 
 

@@ -3,13 +3,15 @@
 //
 // Each kernel fuses what PyTorch eager runs as several small ops (each a dispatch, an
 // allocation and a pass over memory): residual add + RMSNorm, silu(gate) * up, rotary
-// embedding in place, the paged KV-cache write, decode attention straight from the paged cache
-// (no gather copy, no padding to the longest sequence), and a row-wise argmax. Every kernel
+// embedding in place, the paged KV-cache write, decode and causal prefill attention straight
+// from the paged cache (no gather copy, no padding to the longest sequence, no masks), and a
+// row-wise argmax. Every kernel
 // computes in float32 and exists for float32 and bfloat16 tensors (bfloat16 is stored as its
 // upper 16 bits and rounded to nearest even, as PyTorch does). Threads: OpenMP with the count
 // the caller passes (PyTorch's own thread count), inside PyTorch's OpenMP runtime.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -696,6 +698,405 @@ void decode_attention(const T* query, int64_t query_stride, int64_t query_head_s
   }
 }
 
+// Prefill attention: each sequence's chunk of query tokens, causally, over its paged cache (the
+// chunk's own keys and values already stored there, so a first prefill, a chunk after a cached
+// prefix and a prefix-cache hit are one case). Query token i of a chunk sits at position
+// prefix + i (prefix = keys cached before the chunk) and sees keys [0, prefix + i].
+//
+// A work item is (sequence, KV head, tile of kPrefillQueries query tokens): its rows are the
+// tile's tokens times the GQA group's query heads, and every row takes each tile of kKeyTile
+// keys from the same packed copy (loaded from the cache once per item). Flash-style: per row, a
+// running max and sum, and its float32 output rescaled whenever the max grows, so no scores
+// beyond one key tile are kept. Items go longest first to OpenMP's dynamic schedule.
+//
+// Products: with AVX512-BF16 and a bfloat16 cache, vdpbf16ps (two products a lane): the key
+// tile packed as [dim / 2][kKeyTile] pairs of dims (the scores of 16 keys in one register, the
+// query's pair broadcast), the value tile as [kKeyTile / 2][dim] pairs of keys (16 dims in one
+// register, a pair of probabilities broadcast, rounded to bf16 as the eager path rounds them).
+// Otherwise the same in float32 FMAs ([dim][kKeyTile] keys, [kKeyTile][dim] values). A head_dim
+// that is not a multiple of 16 runs each query token as a plain decode (attend_plain).
+constexpr int64_t kPrefillQueries = 32;  // query tokens per work item
+constexpr int64_t kKeyTile = 32;         // keys per tile: two registers of scores
+constexpr int64_t kRowBlock = 4;         // rows through a tile together (bf16 products)
+
+// One row's softmax over a tile: scores [kKeyTile] raw dot products, the first `visible` valid.
+// Updates the row's running max (of scaled scores) and sum; leaves exp(scale * score - max) in
+// scores (0 past visible) and returns the factor for the row's earlier output.
+inline float online_softmax(float* scores, int64_t visible, float scale, float& peak,
+                            float& total) {
+  for (int64_t k = visible; k < kKeyTile; ++k) scores[k] = -std::numeric_limits<float>::infinity();
+  const Lanes factor = lanes_set(scale);
+  Lanes low = lanes_load(scores) * factor, high = lanes_load(scores + kLanes) * factor;
+  const float tile_peak = reduce_max(lanes_max(low, high));
+  const float new_peak = tile_peak > peak ? tile_peak : peak;
+  const float rescale = fast_exp(peak - new_peak);  // 0 for the first tile (peak = -inf)
+  const Lanes shift = lanes_set(new_peak);
+  low = lanes_exp(low - shift);
+  high = lanes_exp(high - shift);
+  lanes_store(scores, low);
+  lanes_store(scores + kLanes, high);
+  total = total * rescale + reduce_add(low + high);
+  peak = new_peak;
+  return rescale;
+}
+
+// One row's float32 products: scores [kKeyTile] of q [dim] against keys packed [dim][kKeyTile].
+inline void tile_scores(const float* q, const float* keys, int64_t dim, float* scores) {
+  Lanes acc[2][2] = {{lanes_zero(), lanes_zero()}, {lanes_zero(), lanes_zero()}};
+  for (int64_t d = 0; d < dim; d += 2) {
+    for (int u = 0; u < 2; ++u) {
+      const Lanes q_d = lanes_set(q[d + u]);
+      const float* k = keys + (d + u) * kKeyTile;
+      acc[0][u] = fma(q_d, lanes_load(k), acc[0][u]);
+      acc[1][u] = fma(q_d, lanes_load(k + kLanes), acc[1][u]);
+    }
+  }
+  lanes_store(scores, acc[0][0] + acc[0][1]);
+  lanes_store(scores + kLanes, acc[1][0] + acc[1][1]);
+}
+
+// out[0, 16 N) = out * rescale + the first `visible` probabilities times value rows [.][dim].
+template <int N>
+inline void tile_values(const float* probs, int64_t visible, const float* values, int64_t dim,
+                        float rescale, float* out) {
+  Lanes acc[2][N];
+  for (int u = 0; u < N; ++u) acc[0][u] = acc[1][u] = lanes_zero();
+  int64_t k = 0;
+  for (; k + 1 < visible; k += 2) {
+    for (int t = 0; t < 2; ++t) {
+      const Lanes p = lanes_set(probs[k + t]);
+      for (int u = 0; u < N; ++u) {
+        acc[t][u] = fma(p, lanes_load(values + (k + t) * dim + u * kLanes), acc[t][u]);
+      }
+    }
+  }
+  if (k < visible) {
+    const Lanes p = lanes_set(probs[k]);
+    for (int u = 0; u < N; ++u) {
+      acc[0][u] = fma(p, lanes_load(values + k * dim + u * kLanes), acc[0][u]);
+    }
+  }
+  const Lanes factor = lanes_set(rescale);
+  for (int u = 0; u < N; ++u) {
+    float* o = out + u * kLanes;
+    lanes_store(o, fma(lanes_load(o), factor, acc[0][u] + acc[1][u]));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same with vdpbf16ps for R rows at once (the rows' chains interleave; each key register
+// loaded once for all R): q_pairs [R][dim / 2] (two bf16 each), keys packed [dim / 2][kKeyTile];
+// scores [R][kKeyTile].
+template <int R>
+inline void tile_scores_bf16(const uint32_t* q_pairs, const uint32_t* keys, int64_t dim,
+                             float* scores) {
+  const int64_t half = dim / 2;
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < half; ++c) {
+    const __m512bh low = (__m512bh)_mm512_loadu_si512(keys + c * kKeyTile);
+    const __m512bh high = (__m512bh)_mm512_loadu_si512(keys + c * kKeyTile + kLanes);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[i * half + c]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], low, q);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], high, q);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(scores + i * kKeyTile, acc[i][0]);
+    _mm512_storeu_ps(scores + i * kKeyTile + kLanes, acc[i][1]);
+  }
+}
+
+// out[i][0, 16 N) = out[i] * rescale[i] + row i's probabilities times the value tile's dims
+// [0, 16 N): prob_pairs [R][kKeyTile / 2] (two bf16 each, the first `pairs` used), values
+// packed [kKeyTile / 2][dim] pairs of keys; out rows `dim` apart.
+template <int R, int N>
+inline void tile_values_bf16(const uint32_t* prob_pairs, int64_t pairs, const uint32_t* values,
+                             int64_t dim, const float* rescale, float* out) {
+  __m512 acc[R][N];
+  for (int i = 0; i < R; ++i) {
+    for (int u = 0; u < N; ++u) acc[i][u] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh v[N];
+    for (int u = 0; u < N; ++u) v[u] = (__m512bh)_mm512_loadu_si512(values + j * dim + u * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const int p_bits = static_cast<int>(prob_pairs[i * (kKeyTile / 2) + j]);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(p_bits);
+      for (int u = 0; u < N; ++u) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], v[u], p);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const __m512 factor = _mm512_set1_ps(rescale[i]);
+    for (int u = 0; u < N; ++u) {
+      float* o = out + i * dim + u * kLanes;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), factor, acc[i][u]));
+    }
+  }
+}
+
+// Transposes a 16 x 16 block of 32-bit elements in place: rows[i] lane j <-> rows[j] lane i.
+inline void transpose16(__m512i* rows) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane L: rows i, i + 1 at columns 4L..4L+3
+    a[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  for (int m = 0; m < 16; m += 4) {  // b[m + t] lane L: column 4L + t of rows m..m+3
+    b[m] = _mm512_unpacklo_epi64(a[m], a[m + 2]);
+    b[m + 1] = _mm512_unpackhi_epi64(a[m], a[m + 2]);
+    b[m + 2] = _mm512_unpacklo_epi64(a[m + 1], a[m + 3]);
+    b[m + 3] = _mm512_unpackhi_epi64(a[m + 1], a[m + 3]);
+  }
+  for (int t = 0; t < 4; ++t) {  // column 4L + t: lane L of b[t], b[4 + t], b[8 + t], b[12 + t]
+    const __m512i low01 = _mm512_shuffle_i32x4(b[t], b[4 + t], 0x44);
+    const __m512i low23 = _mm512_shuffle_i32x4(b[8 + t], b[12 + t], 0x44);
+    const __m512i high01 = _mm512_shuffle_i32x4(b[t], b[4 + t], 0xee);
+    const __m512i high23 = _mm512_shuffle_i32x4(b[8 + t], b[12 + t], 0xee);
+    rows[t] = _mm512_shuffle_i32x4(low01, low23, 0x88);
+    rows[4 + t] = _mm512_shuffle_i32x4(low01, low23, 0xdd);
+    rows[8 + t] = _mm512_shuffle_i32x4(high01, high23, 0x88);
+    rows[12 + t] = _mm512_shuffle_i32x4(high01, high23, 0xdd);
+  }
+}
+
+// R rows (consecutive, each seeing at least one key of the tile) through one key tile.
+template <int R>
+inline void tile_rows_bf16(const uint32_t* q_pairs, const uint32_t* keys, const uint32_t* values,
+                           int64_t dim, const int64_t* visible, float scale, float* peaks,
+                           float* totals, float* outputs, float* scores, uint32_t* prob_pairs) {
+  tile_scores_bf16<R>(q_pairs, keys, dim, scores);
+  float rescale[R];
+  int64_t most = 0;
+  for (int i = 0; i < R; ++i) {
+    float* row = scores + i * kKeyTile;
+    rescale[i] = online_softmax(row, visible[i], scale, peaks[i], totals[i]);
+    for (int64_t k = 0; k < kKeyTile; k += kLanes) {  // round to nearest even, as PyTorch does
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob_pairs + i * (kKeyTile / 2) + k / 2),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
+    }
+    most = visible[i] > most ? visible[i] : most;
+  }
+  over_dim_chunks(dim, [&](int64_t d, auto n) {
+    tile_values_bf16<R, decltype(n)::value>(prob_pairs, (most + 1) / 2, values + d, dim, rescale,
+                                            outputs + d);
+  });
+}
+#endif
+
+// Per-row accumulate for a whole head_dim, 64 dims (four registers) at a time.
+template <typename F>
+inline void over_dim_chunks(int64_t dim, F&& chunk) {
+  int64_t d = 0;
+  for (; d + 4 * kLanes <= dim; d += 4 * kLanes) chunk(d, std::integral_constant<int, 4>{});
+  switch ((dim - d) / kLanes) {
+    case 3: chunk(d, std::integral_constant<int, 3>{}); break;
+    case 2: chunk(d, std::integral_constant<int, 2>{}); break;
+    case 1: chunk(d, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// Where a prefill work item's rows live and go.
+struct PrefillItem {
+  int64_t seq, kv_head, first;  // first: the tile's first query token within the chunk
+  int64_t cost;                 // rows x keys, to order the items
+};
+
+template <typename T>
+void prefill_attention(const T* query, int64_t query_stride, int64_t query_head_stride,
+                       const T* key_cache, const T* value_cache, const int32_t* block_tables,
+                       int64_t table_stride, const int32_t* query_starts,
+                       const int32_t* seq_lens, T* out, int64_t out_stride, int64_t num_seqs,
+                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                       float scale, int threads) {
+  const int64_t group = heads / kv_heads, width = kv_heads * dim;
+  std::vector<PrefillItem> items;
+  int64_t work = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t length = query_starts[s + 1] - query_starts[s];
+    const int64_t prefix = seq_lens[s] - length;
+    for (int64_t first = 0; first < length; first += kPrefillQueries) {
+      const int64_t count = std::min(kPrefillQueries, length - first);
+      const int64_t cost = count * (prefix + first + count);
+      work += cost * kv_heads;
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({s, h, first, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const PrefillItem& a, const PrefillItem& b) { return a.cost > b.cost; });
+  const int used = threads_for(work * heads / kv_heads * dim / 8, threads);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const bool lanes_path = dim % kLanes == 0;
+#if defined(__AVX512BF16__)
+  constexpr bool kBf16Dot = std::is_same_v<T, bf16>;
+#else
+  constexpr bool kBf16Dot = false;
+#endif
+
+#pragma omp parallel for num_threads(used) schedule(dynamic, 1)
+  for (int64_t index = 0; index < num_items; ++index) {
+    const PrefillItem item = items[index];
+    const int64_t start = query_starts[item.seq] + item.first;
+    const int64_t length = query_starts[item.seq + 1] - query_starts[item.seq];
+    const int64_t prefix = seq_lens[item.seq] - length;
+    const int64_t count = std::min(kPrefillQueries, length - item.first);
+    const int64_t key_end = prefix + item.first + count;  // keys the tile's last token sees
+    const int64_t rows_total = count * group;              // row r: token r / group, head r % group
+    const int32_t* table = block_tables + item.seq * table_stride;
+    int64_t* rows = thread_buffer<int64_t>(key_end);
+    for (int64_t pos = 0; pos < key_end; ++pos) {
+      rows[pos] = (table[pos / block_size] * block_size + pos % block_size) * width +
+                  item.kv_head * dim;
+    }
+    auto query_row = [&](int64_t r) {
+      return query + (start + r / group) * query_stride +
+             (item.kv_head * group + r % group) * query_head_stride;
+    };
+    auto out_row = [&](int64_t r) {
+      return out + (start + r / group) * out_stride + (item.kv_head * group + r % group) * dim;
+    };
+
+    if (!lanes_path) {  // any head_dim: each token as a decode of its visible keys
+      float* scratch = thread_buffer<float>(key_end + 2 * group * dim);
+      float* queries = scratch + key_end;
+      float* result = queries + group * dim;
+      for (int64_t token = 0; token < count; ++token) {
+        for (int64_t g = 0; g < group; ++g) {
+          const T* q = query_row(token * group + g);
+          for (int64_t i = 0; i < dim; ++i) queries[g * dim + i] = to_float(q[i]) * scale;
+        }
+        const int64_t visible = prefix + item.first + token + 1;
+        attend_plain<T>(queries, group, key_cache, value_cache, rows, visible, dim, scratch,
+                        result);
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = out_row(token * group + g);
+          for (int64_t i = 0; i < dim; ++i) o[i] = from_float<T>(result[g * dim + i]);
+        }
+      }
+      continue;
+    }
+
+    // Per-thread scratch: outputs [rows][dim], running max and sum [rows], one row's scores,
+    // and the packed tiles (float32, or pairs of bf16 as uint32).
+    float* outputs = thread_buffer<float>(rows_total * (dim + 2) + kRowBlock * kKeyTile +
+                                          (kBf16Dot ? 0 : rows_total * dim + 2 * kKeyTile * dim));
+    float* peaks = outputs + rows_total * dim;
+    float* totals = peaks + rows_total;
+    float* scores = totals + rows_total;
+    for (int64_t i = 0; i < rows_total * dim; ++i) outputs[i] = 0.0f;
+    for (int64_t r = 0; r < rows_total; ++r) {
+      peaks[r] = -std::numeric_limits<float>::infinity();
+      totals[r] = 0.0f;
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16Dot) {
+      const int64_t half = dim / 2;
+      uint32_t* q_pairs = thread_buffer<uint32_t>(rows_total * half + 2 * kKeyTile * half +
+                                                  kRowBlock * kKeyTile / 2);
+      uint32_t* keys = q_pairs + rows_total * half;
+      uint32_t* values = keys + kKeyTile * half;
+      uint32_t* prob_pairs = values + kKeyTile * half;
+      for (int64_t r = 0; r < rows_total; ++r) {
+        std::memcpy(q_pairs + r * half, query_row(r), dim * sizeof(bf16));
+      }
+      for (int64_t first_key = 0; first_key < key_end; first_key += kKeyTile) {
+        const int64_t tile = std::min(kKeyTile, key_end - first_key);
+        // keys [half][kKeyTile]: 16 keys x 16 pairs at a time, transposed in registers; zeros
+        // past the tile.
+        for (int64_t k = 0; k < kKeyTile; k += kLanes) {
+          for (int64_t c = 0; c < half; c += kLanes) {
+            const int64_t columns = std::min(kLanes, half - c);
+            const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1u);
+            __m512i block[kLanes];
+            for (int64_t i = 0; i < kLanes; ++i) {
+              block[i] = k + i < tile ? _mm512_maskz_loadu_epi32(
+                                            mask, key_cache + rows[first_key + k + i] + 2 * c)
+                                      : _mm512_setzero_si512();
+            }
+            transpose16(block);
+            for (int64_t j = 0; j < columns; ++j) {
+              _mm512_storeu_si512(keys + (c + j) * kKeyTile + k, block[j]);
+            }
+          }
+        }
+        for (int64_t j = 0; j < kKeyTile / 2; ++j) {  // values [kKeyTile / 2][dim] key pairs
+          const int64_t k = 2 * j;
+          auto widen = [&](int64_t key, int64_t d) {  // 16 bf16 as the low halves of uint32
+            if (key >= tile) return _mm512_setzero_si512();
+            const bf16* row = value_cache + rows[first_key + key] + d;
+            return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+          };
+          for (int64_t d = 0; d < dim; d += kLanes) {
+            const __m512i second = _mm512_slli_epi32(widen(k + 1, d), 16);
+            _mm512_storeu_si512(values + j * dim + d, _mm512_or_si512(widen(k, d), second));
+          }
+        }
+        // Rows before `first_row` see no key of this tile (causal); the rest in blocks.
+        const int64_t first_row = std::max<int64_t>(0, first_key - prefix - item.first) * group;
+        for (int64_t r = first_row; r < rows_total; r += kRowBlock) {
+          const int64_t block = std::min(kRowBlock, rows_total - r);
+          int64_t visible[kRowBlock];
+          for (int64_t i = 0; i < block; ++i) {
+            visible[i] = std::min(tile, prefix + item.first + (r + i) / group - first_key + 1);
+          }
+          switch (block) {
+#define SLUICE_ROWS(R)                                                                           \
+  case R:                                                                                        \
+    tile_rows_bf16<R>(q_pairs + r * half, keys, values, dim, visible, scale, peaks + r,           \
+                      totals + r, outputs + r * dim, scores, prob_pairs);                         \
+    break;
+            SLUICE_ROWS(1)
+            SLUICE_ROWS(2)
+            SLUICE_ROWS(3)
+            SLUICE_ROWS(4)
+#undef SLUICE_ROWS
+          }
+        }
+      }
+    } else
+#endif
+    {
+      float* queries = scores + kRowBlock * kKeyTile;
+      float* keys = queries + rows_total * dim;
+      float* values = keys + kKeyTile * dim;
+      for (int64_t r = 0; r < rows_total; ++r) {
+        const T* q = query_row(r);
+        for (int64_t i = 0; i < dim; ++i) queries[r * dim + i] = to_float(q[i]);
+      }
+      for (int64_t first_key = 0; first_key < key_end; first_key += kKeyTile) {
+        const int64_t tile = std::min(kKeyTile, key_end - first_key);
+        for (int64_t k = 0; k < kKeyTile; ++k) {  // keys [dim][kKeyTile], values [kKeyTile][dim]
+          if (k < tile) {
+            const T* key = key_cache + rows[first_key + k];
+            const T* value = value_cache + rows[first_key + k];
+            for (int64_t d = 0; d < dim; ++d) keys[d * kKeyTile + k] = to_float(key[d]);
+            for (int64_t d = 0; d < dim; ++d) values[k * dim + d] = to_float(value[d]);
+          } else {
+            for (int64_t d = 0; d < dim; ++d) keys[d * kKeyTile + k] = 0.0f;
+          }
+        }
+        for (int64_t r = 0; r < rows_total; ++r) {
+          const int64_t visible = std::min(tile, prefix + item.first + r / group - first_key + 1);
+          if (visible <= 0) continue;
+          tile_scores(queries + r * dim, keys, dim, scores);
+          const float rescale = online_softmax(scores, visible, scale, peaks[r], totals[r]);
+          over_dim_chunks(dim, [&](int64_t d, auto n) {
+            tile_values<decltype(n)::value>(scores, visible, values + d, dim, rescale,
+                                            outputs + r * dim + d);
+          });
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows_total; ++r) {
+      const float inverse = 1.0f / totals[r];
+      T* o = out_row(r);
+      for (int64_t i = 0; i < dim; ++i) o[i] = from_float<T>(outputs[r * dim + i] * inverse);
+    }
+  }
+}
+
 // Index of each row's largest value (the first one on ties, as torch.argmax); rows [rows,
 // width] with a row stride. NaN never wins (logits are finite).
 template <typename T>
@@ -898,6 +1299,18 @@ void greedy_head_bf16(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64
                         block_tables, table_stride, seq_lens, static_cast<T*>(out), batch,    \
                         heads, kv_heads, dim, block_size, scale, threads);                    \
   }                                                                                           \
+  SLUICE_EXPORT void sluice_prefill_attention_##SUFFIX(                                       \
+      const void* query, int64_t query_stride, int64_t query_head_stride, const void* key_cache, \
+      const void* value_cache, const int32_t* block_tables, int64_t table_stride,               \
+      const int32_t* query_starts, const int32_t* seq_lens, void* out, int64_t out_stride,      \
+      int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,       \
+      float scale, int threads) {                                                               \
+    prefill_attention<T>(static_cast<const T*>(query), query_stride, query_head_stride,         \
+                         static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),  \
+                         block_tables, table_stride, query_starts, seq_lens,                    \
+                         static_cast<T*>(out), out_stride, num_seqs, heads, kv_heads, dim,      \
+                         block_size, scale, threads);                                           \
+  }                                                                                             \
   SLUICE_EXPORT void sluice_argmax_rows_##SUFFIX(const void* values, int64_t row_stride,      \
                                                  int64_t rows, int64_t width,                 \
                                                  int64_t* result, int threads) {              \

@@ -5,7 +5,8 @@ rotary, the KV-cache write, silu * up) as its own dispatch and pass over memory,
 attention as a gather of every sequence's KV blocks, padded to the longest, followed by
 batched matmuls and a softmax. At batch 32 on SmolLM2 that was ~40 % of a decode step; the
 fused kernels here read each KV row once, straight from the paged cache, and make one pass per
-fused op (measured figures in BENCHMARKS.md, "Engine on CPU").
+fused op (measured figures in BENCHMARKS.md, "Engine on CPU"). Prefill attention is one
+flash-style call for all of a step's chunks, also straight from the paged cache.
 
 How: `cpu_kernels()` compiles the C++ file with the system's g++ (`-O3 -march=native
 -fopenmp`) into the cache directory (`SLUICE_CACHE_DIR`/kernels, named by a digest of the
@@ -49,6 +50,7 @@ _SIGNATURES = {
     "rotary": (_P, _I, _I, _I, _I, _P, _P, _P, _T),
     "kv_store": (_P, _I, _P, _I, _P, _P, _P, _I, _I),
     "decode_attention": (_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _T),
+    "prefill_attention": (_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T),
     "argmax_rows": (_P, _I, _I, _I, _P, _T),
 }
 HEAD_TILE = 16  # vocabulary rows per packed tile of the greedy head (cpu_native.cpp)
@@ -186,6 +188,52 @@ class CpuKernels:
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, heads,
             num_kv_heads, dim, block_size, scale, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_starts: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_kv_heads: int,
+        block_size: int,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's chunk of query tokens over its paged cache, which
+        already holds the chunk's own keys and values; query [T, H, D] → out [T, H, D].
+
+        Sequence s owns query rows [query_starts[s], query_starts[s + 1]) (int32 [S + 1]) and
+        seq_lens[s] keys (int32 [S]: its cached prefix plus the chunk), its token i seeing keys
+        [0, seq_lens[s] - chunk + i]; block_tables [S, max_blocks] int32. Only those rows of
+        `out` (made when None; rows may be strided, heads contiguous) are written.
+        """
+        tokens, heads, dim = query.shape
+        if query.stride(2) != 1:
+            raise ValueError("query heads must be contiguous")
+        query = query.to(key_cache.dtype)
+        _check_index(query_starts, torch.int32, "query_starts")
+        _check_index(seq_lens, torch.int32, "seq_lens")
+        if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+            raise ValueError("block_tables must be int32 with contiguous rows")
+        num_seqs = seq_lens.shape[0]
+        if query_starts.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
+            raise ValueError("query_starts, seq_lens and block_tables disagree on the sequences")
+        if out is None:
+            out = torch.empty((tokens, heads, dim), dtype=query.dtype)
+        elif out.dtype != query.dtype or out.shape != query.shape:
+            raise ValueError("out must match the query's shape and the cache's dtype")
+        _check_heads(out, "out")
+        self._call(
+            "prefill_attention", query.dtype, query.data_ptr(), query.stride(0), query.stride(1),
+            key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), query_starts.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+            out.stride(0), num_seqs, heads, num_kv_heads, dim, block_size, scale,
+            torch.get_num_threads(),
         )  # fmt: skip
         return out
 

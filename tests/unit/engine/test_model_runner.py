@@ -241,6 +241,8 @@ def test_native_cpu_kernels_match_pytorch_ops(shape: str, block_size: int) -> No
         [(0, list(range(100, 140)), 0, True), (1, list(range(300, 310)), 0, True)],
         [(0, [7], 40, True), (1, [8], 10, True), (2, list(range(500, 525)), 0, False)],
         [(0, [9], 41, True), (1, [10], 11, True), (2, list(range(525, 530)), 25, True)],
+        # Two chunks over cached prefixes after a decode, one crossing query and key tiles.
+        [(0, [11], 42, True), (1, list(range(600, 637)), 12, True), (2, [12], 30, True)],
     ]
     native_blocks = BlockAllocator(native.num_blocks, block_size, seed=1)
     plain_blocks = BlockAllocator(plain.num_blocks, block_size, seed=1)

@@ -157,9 +157,10 @@ def test_decode_attention_long_contexts_and_small_batches(
     )
 
 
-def test_decode_attention_without_avx512_bf16_matches(tmp_path, monkeypatch) -> None:
-    """The float32-product path that bfloat16 caches take on CPUs without AVX512-BF16 (this
-    CPU may have it: the library is built once more with the extension switched off)."""
+def test_attention_without_avx512_bf16_matches(tmp_path, monkeypatch) -> None:
+    """Decode and prefill on the float32-product path that bfloat16 caches take on CPUs without
+    AVX512-BF16 (this CPU may have it: the library is built once more with the extension
+    switched off)."""
     monkeypatch.setattr(cpu_native, "FLAGS", (*cpu_native.FLAGS, "-mno-avx512bf16"))
     path = tmp_path / "no_bf16.so"
     cpu_native.build(path)
@@ -168,6 +169,90 @@ def test_decode_attention_without_avx512_bf16_matches(tmp_path, monkeypatch) -> 
         _check_decode_attention(
             plain, torch.bfloat16, 1e-2, head_dim, 9, 3, 16, [1, 17, 130, 300], seed=head_dim
         )
+        _check_prefill_attention(
+            plain, torch.bfloat16, 1e-2, head_dim, 9, 3, 16, PREFILL_CHUNKS, seed=head_dim
+        )
+
+
+def _check_prefill_attention(
+    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads, block_size, chunks, seed
+) -> None:
+    """Prefill chunks (cached prefix, chunk length) over randomly placed cache blocks, after
+    two decode rows that must be left alone, against a float64 causal reference."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [prefix + chunk for prefix, chunk in chunks]
+    width = -(-max(lengths) // block_size)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    permutation = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = [[permutation.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    starts = [2]
+    for _, chunk in chunks:
+        starts.append(starts[-1] + chunk)
+    wide = torch.randn(starts[-1], num_heads, head_dim + 8, generator=generator).to(dtype)
+    query = wide[..., :head_dim]  # strided heads, as the query part of a qkv row
+    out = torch.full((starts[-1], num_heads, head_dim), 7.0, dtype=dtype)
+    scale = head_dim**-0.5
+    kernels.prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lengths, dtype=torch.int32),
+        num_kv_heads,
+        block_size,
+        scale,
+        out=out,
+    )
+    assert torch.all(out[:2] == 7.0)
+    group = num_heads // num_kv_heads
+    for index, ((prefix, chunk), table) in enumerate(zip(chunks, tables, strict=True)):
+        positions = torch.arange(prefix + chunk)
+        blocks = torch.tensor(table)[positions // block_size]
+        keys = key_cache[blocks, positions % block_size].double()  # [L, KVH, D]
+        values = value_cache[blocks, positions % block_size].double()
+        rows = query[starts[index] : starts[index + 1]].double()
+        grouped = rows.view(chunk, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = grouped @ keys.permute(1, 2, 0).unsqueeze(1) * scale  # [KVH, G, Q, L]
+        allowed = positions[None, :] <= (prefix + torch.arange(chunk))[:, None]
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        expected = (weights @ values.transpose(0, 1).unsqueeze(1)).permute(2, 0, 1, 3)
+        got = out[starts[index] : starts[index + 1]].double()
+        torch.testing.assert_close(
+            got, expected.reshape(chunk, num_heads, head_dim), atol=tolerance, rtol=tolerance
+        )
+
+
+# (cached prefix, chunk): single tokens, chunks around the 16-token query tiles and the 32-key
+# tiles, with and without a prefix, one long chunk over several hundred keys.
+PREFILL_CHUNKS = [(0, 1), (0, 16), (0, 17), (3, 1), (30, 33), (100, 47), (0, 130), (17, 300)]
+
+
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 80, 24])  # lanes; 16 mod 32; plain
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (16, 2)])
+def test_prefill_attention_matches_a_float64_reference(
+    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads
+) -> None:
+    # GQA groups 3, 1 and 8; block sizes 16, 8 and 32 in turn.
+    block_size = (16, 8, 32)[(head_dim + num_heads) % 3]
+    _check_prefill_attention(
+        kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads, block_size, PREFILL_CHUNKS,
+        seed=head_dim + num_heads,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+def test_prefill_attention_block_sizes(kernels, dtype, tolerance, block_size) -> None:
+    chunks = [(0, 31), (1, 32), (64, 65), (5, 2)]
+    _check_prefill_attention(
+        kernels, dtype, tolerance, 64, 9, 3, block_size, chunks, seed=block_size
+    )
 
 
 def test_library_is_built_once_and_named_by_its_inputs(kernels, tmp_path, monkeypatch) -> None:

@@ -1136,38 +1136,39 @@ void argmax_rows(const T* values, int64_t row_stride, int64_t rows, int64_t widt
 }
 
 
-// Greedy LM head for bfloat16 (AVX-512 BF16 builds): each row's argmax over the vocabulary of
-// hidden . weight[v] without writing the [rows, vocab] logits. For a small hidden size writing
-// and re-reading those logits costs more than the products (dummy:tiny: 64 rows x 49,152 x 16).
-// The weight is packed once (cpu_native.py: pack_greedy_head) into tiles of 16 vocabulary rows
-// holding pairs of hidden elements, [tiles][dim / 2][16][2] (dim padded to even with zeros),
-// so one vdpbf16ps adds two products to 16 rows' scores. Eight rows at a time keep their
-// scores, best scores and best ids in registers while a chunk of tiles (L2-resident) streams
-// by. Scores are rounded to bfloat16 before they are compared, as the logits of the unfused
-// head are, and ties go to the lowest id (as torch.argmax). `has_greedy_head` tells the
-// caller whether this build has it.
+// The LM head of bfloat16 models (AVX-512 BF16 builds), with float32 logits: the products are
+// never rounded to bf16, so two tokens whose logits differ only past bf16's 8 bits of mantissa
+// do not tie (rounded, such near-ties flip greedy answers of small models). lm_head_bf16 writes
+// the [rows, vocab] float32 logits; greedy_head_bf16 gives each row's argmax without writing
+// them (for a small hidden size writing and re-reading the logits costs more than the products:
+// dummy:tiny, 64 rows x 49,152 x 16). The weight is packed once (cpu_native.py:
+// pack_greedy_head) into tiles of 16 vocabulary rows holding pairs of hidden elements,
+// [tiles][dim / 2][16][2] (dim padded to even with zeros), so one vdpbf16ps adds two products
+// to 16 rows' scores. Eight rows at a time keep their scores (and best scores and ids) in
+// registers while a chunk of tiles (L2-resident) streams by. Both run the same products in the
+// same order, so the greedy answer is exactly the argmax of lm_head_bf16's logits; ties go to
+// the lowest id (as torch.argmax). `has_greedy_head` tells the caller whether the build has them.
 constexpr int64_t kHeadRows = 8;
 constexpr int64_t kHeadChunkTiles = 128;  // 128 tiles x dim/2 x 64 bytes: L2 for dim <= 128
 
 #if defined(__AVX512BF16__)
 constexpr bool kHasGreedyHead = true;
 
-inline __m512 round_to_bf16(__m512 value) {
-  __m512i bits = _mm512_castps_si512(value);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(~0xffff)));
-}
-
-// Rows [kHeadRows][pairs] (uint32 = two bf16) against tiles [first, last); best/ids in and out.
+// Rows [kHeadRows][pairs] (uint32 = two bf16) against tiles [first, last) of the packed head.
+// kLogits: store each row's float32 scores to logits (rows `vocab` apart, the first `count`
+// rows only); else keep each row's running best score and id per lane in best/best_id.
+template <bool kLogits>
 inline void head_rows(const uint32_t* rows, int64_t pairs, const bf16* packed, int64_t first,
-                      int64_t last, int64_t vocab, float* best, int32_t* best_id) {
+                      int64_t last, int64_t vocab, int64_t count, float* best, int32_t* best_id,
+                      float* logits) {
   __m512 peak[kHeadRows];
   __m512i id[kHeadRows];
+  if constexpr (!kLogits) {
 #pragma GCC unroll 8
-  for (int64_t r = 0; r < kHeadRows; ++r) {
-    peak[r] = _mm512_loadu_ps(best + r * 16);
-    id[r] = _mm512_loadu_si512(best_id + r * 16);
+    for (int64_t r = 0; r < kHeadRows; ++r) {
+      peak[r] = _mm512_loadu_ps(best + r * 16);
+      id[r] = _mm512_loadu_si512(best_id + r * 16);
+    }
   }
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t tile = first; tile < last; ++tile) {
@@ -1183,22 +1184,65 @@ inline void head_rows(const uint32_t* rows, int64_t pairs, const bf16* packed, i
         acc[r] = _mm512_dpbf16_ps(acc[r], h, weights);
       }
     }
-    const __m512i ids = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(tile * 16)));
     const int64_t valid = vocab - tile * 16;
     const __mmask16 in_vocab =
         valid >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1u);
+    if constexpr (kLogits) {
+      for (int64_t r = 0; r < count; ++r)
+        _mm512_mask_storeu_ps(logits + r * vocab + tile * 16, in_vocab, acc[r]);
+    } else {
+      const __m512i ids = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(tile * 16)));
 #pragma GCC unroll 8
-    for (int64_t r = 0; r < kHeadRows; ++r) {
-      const __m512 score = round_to_bf16(acc[r]);
-      const __mmask16 better = _mm512_mask_cmp_ps_mask(in_vocab, score, peak[r], _CMP_GT_OQ);
-      peak[r] = _mm512_mask_mov_ps(peak[r], better, score);
-      id[r] = _mm512_mask_mov_epi32(id[r], better, ids);
+      for (int64_t r = 0; r < kHeadRows; ++r) {
+        const __mmask16 better = _mm512_mask_cmp_ps_mask(in_vocab, acc[r], peak[r], _CMP_GT_OQ);
+        peak[r] = _mm512_mask_mov_ps(peak[r], better, acc[r]);
+        id[r] = _mm512_mask_mov_epi32(id[r], better, ids);
+      }
     }
   }
+  if constexpr (!kLogits) {
 #pragma GCC unroll 8
-  for (int64_t r = 0; r < kHeadRows; ++r) {
-    _mm512_storeu_ps(best + r * 16, peak[r]);
-    _mm512_storeu_si512(best_id + r * 16, id[r]);
+    for (int64_t r = 0; r < kHeadRows; ++r) {
+      _mm512_storeu_ps(best + r * 16, peak[r]);
+      _mm512_storeu_si512(best_id + r * 16, id[r]);
+    }
+  }
+}
+
+// The rows as bf16 pairs, zero-padded to whole pairs and to whole blocks of kHeadRows rows.
+inline std::vector<uint32_t> head_row_pairs(const bf16* hidden, int64_t hidden_stride,
+                                            int64_t rows, int64_t dim) {
+  const int64_t pairs = (dim + 1) / 2;
+  const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
+  std::vector<uint32_t> row_pairs(static_cast<size_t>(blocks * kHeadRows * pairs), 0u);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(row_pairs.data() + r * pairs, hidden + r * hidden_stride, dim * sizeof(bf16));
+  return row_pairs;
+}
+
+// Float32 logits [rows, vocab] of the packed bf16 head: the same products, in the same order, as
+// greedy_head_bf16 compares, so its argmax is exactly greedy_head_bf16's answer.
+void lm_head_bf16(const bf16* hidden, int64_t hidden_stride, int64_t rows, int64_t dim,
+                  const bf16* packed, int64_t vocab, float* logits, int threads) {
+  const int64_t pairs = (dim + 1) / 2;
+  const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
+  const std::vector<uint32_t> row_pairs = head_row_pairs(hidden, hidden_stride, rows, dim);
+  const int64_t tiles = (vocab + 15) / 16;
+  int used = threads_for(rows * vocab * dim / 4, threads);
+  used = used < tiles ? used : static_cast<int>(tiles);
+#pragma omp parallel num_threads(used)
+  {
+    const int me = omp_get_thread_num();
+    const int64_t first = tiles * me / used, last = tiles * (me + 1) / used;
+    for (int64_t chunk = first; chunk < last; chunk += kHeadChunkTiles) {
+      const int64_t end = chunk + kHeadChunkTiles < last ? chunk + kHeadChunkTiles : last;
+      for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t row0 = block * kHeadRows;
+        const int64_t count = rows - row0 < kHeadRows ? rows - row0 : kHeadRows;
+        head_rows<true>(row_pairs.data() + row0 * pairs, pairs, packed, chunk, end, vocab, count,
+                        nullptr, nullptr, logits + row0 * vocab);
+      }
+    }
   }
 }
 
@@ -1206,10 +1250,7 @@ void greedy_head_bf16(const bf16* hidden, int64_t hidden_stride, int64_t rows, i
                       const bf16* packed, int64_t vocab, int64_t* result, int threads) {
   const int64_t pairs = (dim + 1) / 2;
   const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
-  // Rows as bf16 pairs, zero-padded to whole pairs and to whole blocks of kHeadRows rows.
-  std::vector<uint32_t> row_pairs(static_cast<size_t>(blocks * kHeadRows * pairs), 0u);
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(row_pairs.data() + r * pairs, hidden + r * hidden_stride, dim * sizeof(bf16));
+  const std::vector<uint32_t> row_pairs = head_row_pairs(hidden, hidden_stride, rows, dim);
   const int64_t tiles = (vocab + 15) / 16;
   int used = threads_for(rows * vocab * dim / 4, threads);
   used = used < tiles ? used : static_cast<int>(tiles);
@@ -1226,8 +1267,8 @@ void greedy_head_bf16(const bf16* hidden, int64_t hidden_stride, int64_t rows, i
       const int64_t end = chunk + kHeadChunkTiles < last ? chunk + kHeadChunkTiles : last;
       for (int64_t block = 0; block < blocks; ++block) {
         const size_t at = mine + static_cast<size_t>(block * kHeadRows * 16);
-        head_rows(row_pairs.data() + block * kHeadRows * pairs, pairs, packed, chunk, end, vocab,
-                  best.data() + at, best_id.data() + at);
+        head_rows<false>(row_pairs.data() + block * kHeadRows * pairs, pairs, packed, chunk, end,
+                         vocab, kHeadRows, best.data() + at, best_id.data() + at, nullptr);
       }
     }
   }
@@ -1254,6 +1295,7 @@ void greedy_head_bf16(const bf16* hidden, int64_t hidden_stride, int64_t rows, i
 constexpr bool kHasGreedyHead = false;
 void greedy_head_bf16(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, int64_t*,
                       int) {}
+void lm_head_bf16(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, float*, int) {}
 #endif
 
 }  // namespace
@@ -1329,4 +1371,11 @@ SLUICE_EXPORT void sluice_greedy_head_bf16(const void* hidden, int64_t hidden_st
                                            int64_t* result, int threads) {
   greedy_head_bf16(static_cast<const bf16*>(hidden), hidden_stride, rows, dim,
                    static_cast<const bf16*>(packed), vocab, result, threads);
+}
+
+SLUICE_EXPORT void sluice_lm_head_bf16(const void* hidden, int64_t hidden_stride, int64_t rows,
+                                       int64_t dim, const void* packed, int64_t vocab,
+                                       float* logits, int threads) {
+  lm_head_bf16(static_cast<const bf16*>(hidden), hidden_stride, rows, dim,
+               static_cast<const bf16*>(packed), vocab, logits, threads);
 }

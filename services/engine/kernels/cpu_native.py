@@ -73,8 +73,10 @@ class CpuKernels:
                 self._functions[(name, dtype)] = function
         self.has_greedy_head = bool(library.sluice_has_greedy_head())
         self._greedy_head = library.sluice_greedy_head_bf16
-        self._greedy_head.argtypes = (_P, _I, _I, _I, _P, _I, _P, _T)
-        self._greedy_head.restype = None
+        self._lm_head = library.sluice_lm_head_bf16
+        for function in (self._greedy_head, self._lm_head):
+            function.argtypes = (_P, _I, _I, _I, _P, _I, _P, _T)
+            function.restype = None
 
     @staticmethod
     def supports(tensor: torch.Tensor) -> bool:
@@ -265,20 +267,26 @@ class CpuKernels:
 
     def greedy_head(self, hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:
         """int64 argmax over the vocabulary of hidden [rows, dim] @ weight.T (bf16, the weight
-        packed by `pack_greedy_head`): the same ids as the argmax of the head's bf16 logits
-        (lowest id on ties), without writing the logits."""
-        rows, dim = hidden.shape
-        _check_rows(hidden, "hidden")
-        if hidden.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
-            raise ValueError("greedy_head takes bfloat16 hidden states and weights")
-        if packed.shape[0] * HEAD_TILE < vocab or packed.shape[1] * 2 < dim:
-            raise ValueError("the packed head does not match the hidden states")
+        packed by `pack_greedy_head`): exactly the argmax of `lm_head`'s float32 logits (lowest
+        id on ties), without writing them."""
+        rows, dim = _check_head(hidden, packed, vocab)
         result = torch.empty(rows, dtype=torch.int64)
         self._greedy_head(
             hidden.data_ptr(), hidden.stride(0), rows, dim, packed.data_ptr(), vocab,
             result.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return result
+
+    def lm_head(self, hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:
+        """float32 logits [rows, vocab] of hidden [rows, dim] @ weight.T (bf16, the weight
+        packed by `pack_greedy_head`), accumulated in float32 and never rounded to bf16."""
+        rows, dim = _check_head(hidden, packed, vocab)
+        logits = torch.empty((rows, vocab), dtype=torch.float32)
+        self._lm_head(
+            hidden.data_ptr(), hidden.stride(0), rows, dim, packed.data_ptr(), vocab,
+            logits.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return logits
 
 
 def cpu_kernels() -> CpuKernels | None:
@@ -353,6 +361,16 @@ def _self_check(kernels: CpuKernels) -> None:
         kernels.argmax_rows(values), values.argmax(-1)
     ):
         raise RuntimeError("self-check against PyTorch failed")
+
+
+def _check_head(hidden: torch.Tensor, packed: torch.Tensor, vocab: int) -> tuple[int, int]:
+    _check_rows(hidden, "hidden")
+    if hidden.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
+        raise ValueError("the bf16 LM head takes bfloat16 hidden states and weights")
+    rows, dim = hidden.shape
+    if packed.shape[0] * HEAD_TILE < vocab or packed.shape[1] * 2 < dim:
+        raise ValueError("the packed head does not match the hidden states")
+    return rows, dim
 
 
 def _check_rows(tensor: torch.Tensor, name: str) -> None:

@@ -33,9 +33,6 @@ GREEDY_CHUNK = 2048
 # ones are compute-bound and one large matmul (split over threads) is faster (measured: SmolLM2's
 # 576 is 2-4x slower sliced on 2 threads).
 GREEDY_SLICED_MAX_HIDDEN = 256
-# The native fused greedy head (no logits written) where it beats the packed matmul + argmax:
-# measured 2.5x at hidden 16, 1.45x at 64, even at 576 (64 rows x 49,152 vocabulary, 1 thread).
-GREEDY_FUSED_MAX_HIDDEN = 256
 
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -182,7 +179,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         self._greedy_buffer: torch.Tensor | None = None  # reused by compute_greedy
         self._packed_head: torch.Tensor | None = None  # set by pack_lm_head (CPU)
-        self._greedy_head: torch.Tensor | None = None  # set by use_cpu_kernels (narrow bf16)
+        self._native_head: torch.Tensor | None = None  # set by use_cpu_kernels (bf16, CPU)
+        self._native_vocab = 0
         self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels (CPU)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -212,15 +210,18 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, SiluAndMul, LlamaAttention)):
                 module.cpu_kernels = kernels
+        # bf16 heads: the native LM head, float32 logits never rounded to bf16 (rounded, near-tied
+        # logits of small models tie and flip greedy answers), and a fused greedy head that
+        # picks their argmax without writing them (2.5x the packed matmul + argmax at hidden 16,
+        # 1.45x at 64, even at 576: 64 rows x 49,152 vocabulary, 1 thread).
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._greedy_head = None
+        self._native_head, self._native_vocab = None, weight.shape[0]
         if (
             kernels is not None
             and weight.device.type == "cpu"
-            and weight.shape[1] <= GREEDY_FUSED_MAX_HIDDEN
             and kernels.greedy_head_supports(weight)
         ):
-            self._greedy_head = kernels.pack_greedy_head(weight.detach())
+            self._native_head = kernels.pack_greedy_head(weight.detach())
 
     def pack_lm_head(self) -> bool:
         """Keep a oneDNN-packed copy of the LM head for CPU (layers/linear.py; ~1.2-3x faster).
@@ -232,6 +233,9 @@ class LlamaForCausalLM(nn.Module):
         return self._packed_head is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._native_head is not None and hidden.dtype == self._native_head.dtype:
+            vocab = self._native_vocab
+            return self.cpu_kernels.lm_head(hidden, self._native_head, vocab)
         if self._packed_head is not None and hidden.dtype == self._packed_head.dtype:
             return packed_linear(hidden, self._packed_head)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -240,8 +244,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_greedy(self, hidden: torch.Tensor, chunk: int = GREEDY_CHUNK) -> torch.Tensor:
         """Argmax token of each row, cheaper than `compute_logits(hidden).argmax(-1)` on CPU.
 
-        With the native CPU kernels: for a narrow bf16 head their fused greedy head, else the
-        packed LM head, then their row argmax. Without them,
+        With the native CPU kernels: for a bf16 head their fused greedy head (the argmax of
+        compute_logits' float32 logits), else the packed LM head, then their row argmax. Without
+        them,
         the LM head writes vocabulary slices of `chunk` columns into one reused buffer
         [slices, rows, chunk] (no fresh 10+ MB allocation per step); each row's best slice is
         found with `amax` (vectorised, unlike a full-width argmax) and only that slice is
@@ -250,9 +255,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         vocab, rows = weight.shape[0], hidden.shape[0]
         kernels = self.cpu_kernels
-        if self._greedy_head is not None and hidden.dtype == self._greedy_head.dtype:
-            # Narrow bf16 heads: products and argmax in one native pass, no logits written.
-            return kernels.greedy_head(hidden, self._greedy_head, vocab)
+        if self._native_head is not None and hidden.dtype == self._native_head.dtype:
+            # bf16: products and argmax in one native pass, no logits written.
+            return kernels.greedy_head(hidden, self._native_head, vocab)
         if kernels is not None and kernels.supports(hidden) and hidden.dtype == weight.dtype:
             # One packed matmul and a native row argmax: ~2x the slices below on dummy:tiny,
             # and no float32 copy of the logits for wide models.

@@ -190,8 +190,8 @@ def test_execute_greedy_equals_argmax_of_execute(tiny_runner: ModelRunner) -> No
 
 
 def test_bf16_greedy_head_equals_argmax_of_execute() -> None:
-    """bf16 with the native kernels: the narrow head goes through the fused greedy head (where
-    the CPU has AVX-512 BF16) and picks exactly the argmax of execute()'s logits."""
+    """bf16 with the native kernels (where the CPU has AVX-512 BF16): float32 logits from the
+    native head, and the fused greedy head picks exactly their argmax."""
     runner = ModelRunner(
         resolve_model("dummy:tiny"),
         dtype=torch.bfloat16,
@@ -200,7 +200,7 @@ def test_bf16_greedy_head_equals_argmax_of_execute() -> None:
     )
     kernels = runner.cpu_kernels
     assert kernels is not None
-    assert (runner.model._greedy_head is not None) == kernels.has_greedy_head
+    assert (runner.model._native_head is not None) == kernels.has_greedy_head
     allocator = BlockAllocator(runner.num_blocks, BLOCK_SIZE, seed=3)
     generator = torch.Generator().manual_seed(5)
     vocab = runner.model_config.vocab_size

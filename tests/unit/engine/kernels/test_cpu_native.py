@@ -282,16 +282,15 @@ def test_failed_build_leaves_pytorch_ops(monkeypatch, tmp_path, caplog) -> None:
     assert "failed" in caplog.text and not list((tmp_path / "kernels").glob("*.so"))
 
 
-def _bf16_logits_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What the unfused head answers: float32 products rounded to bf16 logits, first max."""
-    return (hidden.float() @ weight.float().T).to(torch.bfloat16).float().argmax(-1)
+def _float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return hidden.float() @ weight.float().T
 
 
 @pytest.mark.parametrize("dim", [16, 17, 64, 200])  # even, odd (padded pair), wider
 @pytest.mark.parametrize("rows", [1, 5, 8, 19])  # inside one block of 8, whole blocks, a tail
 @pytest.mark.parametrize("vocab", [37, 4099])  # a partial last tile of 16
 @pytest.mark.parametrize("threads", [1, 2])
-def test_greedy_head_matches_the_argmax_of_bf16_logits(kernels, dim, rows, vocab, threads) -> None:
+def test_lm_head_and_greedy_head_match_float32_logits(kernels, dim, rows, vocab, threads) -> None:
     if not kernels.has_greedy_head:
         pytest.skip("this CPU build has no AVX-512 BF16: the engine keeps the unfused head")
     generator = torch.Generator().manual_seed(dim * 1000 + rows * 10 + vocab)
@@ -301,11 +300,16 @@ def test_greedy_head_matches_the_argmax_of_bf16_logits(kernels, dim, rows, vocab
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = kernels.greedy_head(hidden, packed, vocab)
+        greedy = kernels.greedy_head(hidden, packed, vocab)
+        logits = kernels.lm_head(hidden, packed, vocab)
     finally:
         torch.set_num_threads(previous)
-    assert got.dtype == torch.int64
-    assert torch.equal(got, _bf16_logits_argmax(hidden, weight))
+    expected = _float32_logits(hidden, weight)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, vocab)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)
+    assert greedy.dtype == torch.int64
+    assert torch.equal(greedy, logits.argmax(-1))  # the same products in the same order
+    assert torch.equal(greedy, expected.argmax(-1))
 
 
 def test_greedy_head_ties_go_to_the_lowest_id_across_lanes_tiles_and_threads(kernels) -> None:
@@ -326,4 +330,4 @@ def test_greedy_head_ties_go_to_the_lowest_id_across_lanes_tiles_and_threads(ker
     finally:
         torch.set_num_threads(previous)
     assert got == [77, 0]  # the lowest of the tied ids; all-zero logits: token 0
-    assert got == _bf16_logits_argmax(hidden, weight).tolist()
+    assert got == _float32_logits(hidden, weight).argmax(-1).tolist()

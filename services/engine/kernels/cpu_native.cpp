@@ -1149,7 +1149,13 @@ void argmax_rows(const T* values, int64_t row_stride, int64_t rows, int64_t widt
 // same order, so the greedy answer is exactly the argmax of lm_head_bf16's logits; ties go to
 // the lowest id (as torch.argmax). `has_greedy_head` tells the caller whether the build has them.
 constexpr int64_t kHeadRows = 8;
-constexpr int64_t kHeadChunkTiles = 128;  // 128 tiles x dim/2 x 64 bytes: L2 for dim <= 128
+// Tiles per chunk: every block of rows re-reads a chunk, so it should stay in L2 (~512 KB of
+// packed weights: 1024 tiles of dummy:tiny's head, 28 of SmolLM2's, 4 of a 4096-wide head).
+constexpr int64_t kHeadChunkBytes = 512 * 1024;
+inline int64_t head_chunk_tiles(int64_t pairs) {
+  const int64_t tiles = kHeadChunkBytes / (pairs * 64);
+  return tiles > 1 ? tiles : 1;
+}
 
 #if defined(__AVX512BF16__)
 constexpr bool kHasGreedyHead = true;
@@ -1234,8 +1240,9 @@ void lm_head_bf16(const bf16* hidden, int64_t hidden_stride, int64_t rows, int64
   {
     const int me = omp_get_thread_num();
     const int64_t first = tiles * me / used, last = tiles * (me + 1) / used;
-    for (int64_t chunk = first; chunk < last; chunk += kHeadChunkTiles) {
-      const int64_t end = chunk + kHeadChunkTiles < last ? chunk + kHeadChunkTiles : last;
+    const int64_t step = head_chunk_tiles(pairs);
+    for (int64_t chunk = first; chunk < last; chunk += step) {
+      const int64_t end = chunk + step < last ? chunk + step : last;
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t row0 = block * kHeadRows;
         const int64_t count = rows - row0 < kHeadRows ? rows - row0 : kHeadRows;
@@ -1263,8 +1270,9 @@ void greedy_head_bf16(const bf16* hidden, int64_t hidden_stride, int64_t rows, i
     const int me = omp_get_thread_num();
     const int64_t first = tiles * me / used, last = tiles * (me + 1) / used;
     const size_t mine = static_cast<size_t>(me * blocks * kHeadRows * 16);
-    for (int64_t chunk = first; chunk < last; chunk += kHeadChunkTiles) {
-      const int64_t end = chunk + kHeadChunkTiles < last ? chunk + kHeadChunkTiles : last;
+    const int64_t step = head_chunk_tiles(pairs);
+    for (int64_t chunk = first; chunk < last; chunk += step) {
+      const int64_t end = chunk + step < last ? chunk + step : last;
       for (int64_t block = 0; block < blocks; ++block) {
         const size_t at = mine + static_cast<size_t>(block * kHeadRows * 16);
         head_rows<false>(row_pairs.data() + block * kHeadRows * pairs, pairs, packed, chunk, end,

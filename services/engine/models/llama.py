@@ -222,6 +222,7 @@ class LlamaForCausalLM(nn.Module):
             and kernels.greedy_head_supports(weight)
         ):
             self._native_head = kernels.pack_greedy_head(weight.detach())
+            self._packed_head = None  # the native head serves bf16: no second packed copy
 
     def pack_lm_head(self) -> bool:
         """Keep a oneDNN-packed copy of the LM head for CPU (layers/linear.py; ~1.2-3x faster).

@@ -246,12 +246,11 @@ class LlamaForCausalLM(nn.Module):
         """Argmax token of each row, cheaper than `compute_logits(hidden).argmax(-1)` on CPU.
 
         With the native CPU kernels: for a bf16 head their fused greedy head (the argmax of
-        compute_logits' float32 logits), else the packed LM head, then their row argmax. Without
-        them,
-        the LM head writes vocabulary slices of `chunk` columns into one reused buffer
-        [slices, rows, chunk] (no fresh 10+ MB allocation per step); each row's best slice is
-        found with `amax` (vectorised, unlike a full-width argmax) and only that slice is
-        argmax-ed. Ties go to the lowest id, exactly as `argmax`.
+        compute_logits' float32 logits), else the packed LM head, then their row argmax.
+        Without them, the LM head writes vocabulary slices of `chunk` columns into one reused
+        buffer [slices, rows, chunk] (no fresh 10+ MB allocation per step); each row's best
+        slice is found with `amax` (vectorised, unlike a full-width argmax) and only that slice
+        is argmax-ed. Ties go to the lowest id, exactly as `argmax`.
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         vocab, rows = weight.shape[0], hidden.shape[0]

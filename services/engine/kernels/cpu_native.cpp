@@ -1226,60 +1226,67 @@ inline std::vector<uint32_t> head_row_pairs(const bf16* hidden, int64_t hidden_s
   return row_pairs;
 }
 
+// The walk both heads share: the rows as pairs, the vocabulary's tiles split over the threads,
+// each thread's tiles in L2-sized chunks, and every block of kHeadRows rows through each chunk.
+struct HeadWalk {
+  std::vector<uint32_t> row_pairs;
+  int64_t pairs, blocks, tiles;
+  int used;  // threads
+
+  HeadWalk(const bf16* hidden, int64_t hidden_stride, int64_t rows, int64_t dim, int64_t vocab,
+           int threads)
+      : row_pairs(head_row_pairs(hidden, hidden_stride, rows, dim)),
+        pairs((dim + 1) / 2),
+        blocks((rows + kHeadRows - 1) / kHeadRows),
+        tiles((vocab + 15) / 16) {
+    used = threads_for(rows * vocab * dim / 4, threads);
+    used = used < tiles ? used : static_cast<int>(tiles);
+  }
+
+  // visit(thread, first tile, end tile, block) for every chunk of every thread's tiles.
+  template <typename F>
+  void run(F&& visit) const {
+#pragma omp parallel num_threads(used)
+    {
+      const int me = omp_get_thread_num();
+      const int64_t first = tiles * me / used, last = tiles * (me + 1) / used;
+      const int64_t step = head_chunk_tiles(pairs);
+      for (int64_t chunk = first; chunk < last; chunk += step) {
+        const int64_t end = chunk + step < last ? chunk + step : last;
+        for (int64_t block = 0; block < blocks; ++block) visit(me, chunk, end, block);
+      }
+    }
+  }
+};
+
 // Float32 logits [rows, vocab] of the packed bf16 head: the same products, in the same order, as
 // greedy_head_bf16 compares, so its argmax is exactly greedy_head_bf16's answer.
 void lm_head_bf16(const bf16* hidden, int64_t hidden_stride, int64_t rows, int64_t dim,
                   const bf16* packed, int64_t vocab, float* logits, int threads) {
-  const int64_t pairs = (dim + 1) / 2;
-  const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
-  const std::vector<uint32_t> row_pairs = head_row_pairs(hidden, hidden_stride, rows, dim);
-  const int64_t tiles = (vocab + 15) / 16;
-  int used = threads_for(rows * vocab * dim / 4, threads);
-  used = used < tiles ? used : static_cast<int>(tiles);
-#pragma omp parallel num_threads(used)
-  {
-    const int me = omp_get_thread_num();
-    const int64_t first = tiles * me / used, last = tiles * (me + 1) / used;
-    const int64_t step = head_chunk_tiles(pairs);
-    for (int64_t chunk = first; chunk < last; chunk += step) {
-      const int64_t end = chunk + step < last ? chunk + step : last;
-      for (int64_t block = 0; block < blocks; ++block) {
-        const int64_t row0 = block * kHeadRows;
-        const int64_t count = rows - row0 < kHeadRows ? rows - row0 : kHeadRows;
-        head_rows<true>(row_pairs.data() + row0 * pairs, pairs, packed, chunk, end, vocab, count,
-                        nullptr, nullptr, logits + row0 * vocab);
-      }
-    }
-  }
+  const HeadWalk walk(hidden, hidden_stride, rows, dim, vocab, threads);
+  walk.run([&](int, int64_t chunk, int64_t end, int64_t block) {
+    const int64_t row0 = block * kHeadRows;
+    const int64_t count = rows - row0 < kHeadRows ? rows - row0 : kHeadRows;
+    head_rows<true>(walk.row_pairs.data() + row0 * walk.pairs, walk.pairs, packed, chunk, end,
+                    vocab, count, nullptr, nullptr, logits + row0 * vocab);
+  });
 }
 
 void greedy_head_bf16(const bf16* hidden, int64_t hidden_stride, int64_t rows, int64_t dim,
                       const bf16* packed, int64_t vocab, int64_t* result, int threads) {
-  const int64_t pairs = (dim + 1) / 2;
-  const int64_t blocks = (rows + kHeadRows - 1) / kHeadRows;
-  const std::vector<uint32_t> row_pairs = head_row_pairs(hidden, hidden_stride, rows, dim);
-  const int64_t tiles = (vocab + 15) / 16;
-  int used = threads_for(rows * vocab * dim / 4, threads);
-  used = used < tiles ? used : static_cast<int>(tiles);
+  const HeadWalk walk(hidden, hidden_stride, rows, dim, vocab, threads);
+  const int64_t blocks = walk.blocks;
+  const int used = walk.used;
   // Per thread, padded row and lane: best score and its id over that thread's tiles.
   const size_t slots = static_cast<size_t>(used * blocks * kHeadRows * 16);
   std::vector<float> best(slots, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> best_id(slots, 0);
-#pragma omp parallel num_threads(used)
-  {
-    const int me = omp_get_thread_num();
-    const int64_t first = tiles * me / used, last = tiles * (me + 1) / used;
-    const size_t mine = static_cast<size_t>(me * blocks * kHeadRows * 16);
-    const int64_t step = head_chunk_tiles(pairs);
-    for (int64_t chunk = first; chunk < last; chunk += step) {
-      const int64_t end = chunk + step < last ? chunk + step : last;
-      for (int64_t block = 0; block < blocks; ++block) {
-        const size_t at = mine + static_cast<size_t>(block * kHeadRows * 16);
-        head_rows<false>(row_pairs.data() + block * kHeadRows * pairs, pairs, packed, chunk, end,
-                         vocab, kHeadRows, best.data() + at, best_id.data() + at, nullptr);
-      }
-    }
-  }
+  walk.run([&](int me, int64_t chunk, int64_t end, int64_t block) {
+    const size_t at = static_cast<size_t>((me * blocks + block) * kHeadRows * 16);
+    head_rows<false>(walk.row_pairs.data() + block * kHeadRows * walk.pairs, walk.pairs, packed,
+                     chunk, end, vocab, kHeadRows, best.data() + at, best_id.data() + at,
+                     nullptr);
+  });
   // Merge lanes and threads: the largest score, the lowest id among equal ones.
   for (int64_t r = 0; r < rows; ++r) {
     float peak = -std::numeric_limits<float>::infinity();

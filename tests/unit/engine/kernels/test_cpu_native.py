@@ -91,11 +91,16 @@ def test_argmax_rows_matches_torch_first_index_on_ties(kernels, dtype) -> None:
     assert torch.equal(kernels.argmax_rows(strided), strided.float().argmax(-1))
 
 
-def _check_decode_attention(
-    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads, block_size, lengths, seed
-) -> None:
-    """Decode attention over randomly placed cache blocks against a float64 reference."""
-    generator = torch.Generator().manual_seed(seed)
+def _random_paged_cache(
+    generator: torch.Generator,
+    lengths: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random key/value caches covering `lengths` in shuffled blocks: each sequence's block ids,
+    the padded int32 block tables, the key cache and the value cache."""
     width = -(-max(lengths) // block_size)
     num_blocks = sum(-(-n // block_size) for n in lengths) + 3
     permutation = torch.randperm(num_blocks, generator=generator).tolist()
@@ -104,6 +109,17 @@ def _check_decode_attention(
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, generator=generator).to(dtype)
     value_cache = torch.randn(shape, generator=generator).to(dtype)
+    return tables, block_tables, key_cache, value_cache
+
+
+def _check_decode_attention(
+    kernels, dtype, tolerance, head_dim, num_heads, num_kv_heads, block_size, lengths, seed
+) -> None:
+    """Decode attention over randomly placed cache blocks against a float64 reference."""
+    generator = torch.Generator().manual_seed(seed)
+    tables, block_tables, key_cache, value_cache = _random_paged_cache(
+        generator, lengths, block_size, num_kv_heads, head_dim, dtype
+    )
     wide = torch.randn(len(lengths), num_heads, head_dim + 8, generator=generator).to(dtype)
     query = wide[..., :head_dim]  # strided heads, as the query part of a qkv row
     scale = head_dim**-0.5
@@ -181,14 +197,9 @@ def _check_prefill_attention(
     two decode rows that must be left alone, against a float64 causal reference."""
     generator = torch.Generator().manual_seed(seed)
     lengths = [prefix + chunk for prefix, chunk in chunks]
-    width = -(-max(lengths) // block_size)
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
-    permutation = torch.randperm(num_blocks, generator=generator).tolist()
-    tables = [[permutation.pop() for _ in range(-(-n // block_size))] for n in lengths]
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(dtype)
-    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    tables, block_tables, key_cache, value_cache = _random_paged_cache(
+        generator, lengths, block_size, num_kv_heads, head_dim, dtype
+    )
     starts = [2]
     for _, chunk in chunks:
         starts.append(starts[-1] + chunk)

@@ -180,7 +180,6 @@ class LlamaForCausalLM(nn.Module):
         self._greedy_buffer: torch.Tensor | None = None  # reused by compute_greedy
         self._packed_head: torch.Tensor | None = None  # set by pack_lm_head (CPU)
         self._native_head: torch.Tensor | None = None  # set by use_cpu_kernels (bf16, CPU)
-        self._native_vocab = 0
         self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels (CPU)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -214,8 +213,8 @@ class LlamaForCausalLM(nn.Module):
         # logits of small models tie and flip greedy answers), and a fused greedy head that
         # picks their argmax without writing them (2.5x the packed matmul + argmax at hidden 16,
         # 1.45x at 64, even at 576: 64 rows x 49,152 vocabulary, 1 thread).
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._native_head, self._native_vocab = None, weight.shape[0]
+        weight = self.head_weight
+        self._native_head = None
         if (
             kernels is not None
             and weight.device.type == "cpu"
@@ -224,22 +223,27 @@ class LlamaForCausalLM(nn.Module):
             self._native_head = kernels.pack_greedy_head(weight.detach())
             self._packed_head = None  # the native head serves bf16: no second packed copy
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [vocab, hidden] (the embedding table when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def pack_lm_head(self) -> bool:
         """Keep a oneDNN-packed copy of the LM head for CPU (layers/linear.py; ~1.2-3x faster).
 
         With tied embeddings this is a second copy of the embedding table (vocab x hidden).
         """
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight
         self._packed_head = pack_weight(weight)
         return self._packed_head is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._native_head is not None and hidden.dtype == self._native_head.dtype:
-            vocab = self._native_vocab
+            vocab = self.head_weight.shape[0]
             return self.cpu_kernels.lm_head(hidden, self._native_head, vocab)
         if self._packed_head is not None and hidden.dtype == self._packed_head.dtype:
             return packed_linear(hidden, self._packed_head)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight
         return F.linear(hidden, weight)
 
     def compute_greedy(self, hidden: torch.Tensor, chunk: int = GREEDY_CHUNK) -> torch.Tensor:
@@ -252,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         slice is found with `amax` (vectorised, unlike a full-width argmax) and only that slice
         is argmax-ed. Ties go to the lowest id, exactly as `argmax`.
         """
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight
         vocab, rows = weight.shape[0], hidden.shape[0]
         kernels = self.cpu_kernels
         if self._native_head is not None and hidden.dtype == self._native_head.dtype:

@@ -64,19 +64,19 @@ class StreamPacing:
             return
         self._window_tokens += tokens
         if now - start >= RATE_WINDOW_S:
-            self._update(self._window_tokens / (now - start))
-            self._window_start = now
-            self._window_tokens = 0
+            self._close_window(now)
 
     def idle(self, now: float) -> None:
         """Called by the periodic sweep: a window with no tokens at all brings the rate down."""
         start = self._window_start
         if self.adaptive and start is not None and now - start >= 2 * RATE_WINDOW_S:
-            self._update(self._window_tokens / (now - start))
-            self._window_start = now
-            self._window_tokens = 0
+            self._close_window(now)
 
-    def _update(self, rate: float) -> None:
+    def _close_window(self, now: float) -> None:
+        """The window's token rate sets the interval; a new window starts at `now`."""
+        rate = self._window_tokens / (now - self._window_start)
         self.tokens_per_s = rate
         wanted = math.ceil(rate / self.message_budget) if rate > 0 else 1
         self.interval = max(1, min(self.max_interval, wanted))
+        self._window_start = now
+        self._window_tokens = 0

@@ -82,6 +82,14 @@ def run_stack(
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+async def eventually(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Wait until `condition()` holds (polling), instead of guessing how long the stack needs."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting: {what}"
+        await asyncio.sleep(0.005)
+
+
 def text_request(prompt: str = "hi", **params) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(
         prompt=prompt, params=common_pb2.SamplingParams(**{"temperature": 0.0, **params})
@@ -113,8 +121,10 @@ def test_adaptive_pacing_gathers_tokens_above_the_message_budget() -> None:
             assert max(len(r.token_ids) for r in responses) <= 4  # --stream-max-interval
             assert len(responses) < 400 * 0.6  # several tokens per response, once measured
         assert stack.core.pacing.interval == 4
-        await asyncio.sleep(0.06)  # the sweep publishes it for operators
-        assert REGISTRY.get_sample_value("sluice_router_stream_interval") == 4
+        await eventually(  # the sweep publishes it for operators
+            lambda: REGISTRY.get_sample_value("sluice_router_stream_interval") == 4,
+            "the interval gauge published",
+        )
         assert REGISTRY.get_sample_value("sluice_router_streamed_tokens_per_second") > 100
 
     # 4 streams of a step every 2 ms against a budget of 100 responses/s: interval capped at 4.
@@ -192,8 +202,7 @@ def test_stop_string_ends_stream_and_aborts_engine() -> None:
         assert "".join(r.text for r in responses) == "abc"
         assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP_STRING
         assert responses[-1].matched_stop == "def"
-        await asyncio.sleep(0.05)
-        assert stack.engine.live == {}
+        await eventually(lambda: not stack.engine.live, "engine sequence released")
         assert len(stack.engine.aborted) == 1
 
     run_stack(check)
@@ -237,10 +246,9 @@ def test_queue_overflow_rejects_fast_with_retry_after() -> None:
 
     async def check(stack: Stack) -> None:
         first = asyncio.ensure_future(stack.collect(text_request(max_tokens=6)))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: len(stack.engine.submitted) == 1, "first request on the engine")
         second = asyncio.ensure_future(stack.collect(text_request(max_tokens=2)))
-        await asyncio.sleep(0.05)
-        assert len(stack.core.queue) == 1
+        await eventually(lambda: len(stack.core.queue) == 1, "second request queued")
         started = time.perf_counter()
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stack.collect(text_request(max_tokens=2))
@@ -262,7 +270,7 @@ def test_deadline_while_queued_never_reaches_engine() -> None:
 
     async def check(stack: Stack) -> None:
         first = asyncio.ensure_future(stack.collect(text_request(max_tokens=8)))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: len(stack.engine.submitted) == 1, "first request on the engine")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stack.collect(text_request(max_tokens=2), timeout=0.1)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -279,10 +287,10 @@ def test_deadline_while_running_aborts_on_engine() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stack.collect(text_request(max_tokens=100), timeout=0.15)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        for _ in range(100):
-            if not (stack.engine.live or stack.core.active or stack.tokenizer.state):
-                break
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: not (stack.engine.live or stack.core.active or stack.tokenizer.state),
+            "engine, router and tokenizer state released",
+        )
         assert stack.engine.live == {} and len(stack.engine.aborted) == 1
         assert stack.core.active == set() and stack.tokenizer.state == {}
 
@@ -300,10 +308,10 @@ def test_client_cancel_aborts_on_engine_and_frees_detokenizer() -> None:
             if seen == 3:
                 break
         call.cancel()
-        for _ in range(100):
-            if not (stack.engine.live or stack.core.active or stack.tokenizer.state):
-                break
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: not (stack.engine.live or stack.core.active or stack.tokenizer.state),
+            "engine, router and tokenizer state released",
+        )
         assert stack.engine.live == {}
         assert len(stack.engine.aborted) == 1
         assert stack.tokenizer.cancelled == stack.engine.aborted
@@ -401,10 +409,7 @@ def test_api_keys(tmp_path: Path) -> None:
 def test_drain_finishes_in_flight_and_refuses_new() -> None:
     async def check(stack: Stack) -> None:
         running = asyncio.ensure_future(stack.collect(text_request(max_tokens=30)))
-        deadline = asyncio.get_running_loop().time() + 5.0
-        while not stack.core.running and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.005)  # wait until the request is on the engine, not a guess
-        assert stack.core.running, "the first request never reached the engine"
+        await eventually(lambda: stack.core.running, "the first request on the engine")
         drain = asyncio.ensure_future(stack.core.drain(5.0))
         await asyncio.sleep(0.01)
         with pytest.raises(grpc.aio.AioRpcError) as info:

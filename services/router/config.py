@@ -58,7 +58,7 @@ class RouterConfig:
     idempotency_ttl_s: float = field(
         600.0, help="seconds a finished request's result is kept for a retry with its request_id"
     )
-    tokenize_timeout: float = field(10.0, help="seconds a Tokenize call may take")
+    tokenize_timeout: float = field(10.0, help="seconds tokenizing a prompt may take")
     stream_interval: int = field(
         0,
         help="tokens a streamed response gathers before it is sent (the first token and the "

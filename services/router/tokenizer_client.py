@@ -1,12 +1,14 @@
-"""The router's side of the tokenizer: Tokenize calls and one multiplexed DetokenizeSession.
+"""The router's side of the tokenizer: prompts to encode and one multiplexed DetokenizeSession.
 
-`Tokenize` calls are micro-batched: prompts that arrive in the same event-loop turn share one
-call (a burst of arrivals costs one round trip, not one each). Detokenization is the
-per-token path, so it is batched too: the router sends ONE `DetokenizeRequest` per engine step with
-every request's new token ids and gets one `DetokenizeResponse` back, paired by
-`sequence_number`. A writer task drains an outbox so a step never waits for the network.
-When the session drops, `on_lost` is told (the router fails the requests whose text state lived
-there) and the session is reopened with exponential backoff.
+Prompts are micro-batched: those that arrive in the same event-loop turn share one batch (a
+burst of arrivals costs one round trip, not one each), sent on one long-lived `TokenizeSession`
+stream (answers paired by sequence number; no call setup per request), or as a `Tokenize` call
+when the stream is down or the tokenizer lacks it. Detokenization is the per-token path, so it
+is batched too: the router sends ONE `DetokenizeRequest` per engine step with every request's
+new token ids and gets one `DetokenizeResponse` back, paired by `sequence_number`. Writer
+tasks drain outboxes so a step never waits for the network. When the sessions drop, `on_lost`
+is told (the router fails the requests whose text state lived there), prompts waiting on the
+tokenize stream fail with UNAVAILABLE, and the sessions are reopened with exponential backoff.
 """
 
 from __future__ import annotations
@@ -48,8 +50,32 @@ def error_from_item(code: str, message: str) -> SluiceError:
     return cls(message or code)
 
 
+class _Outbox:
+    """Messages for one stream, written in order by one writer task (writes never overlap), so
+    a sender never waits for the network."""
+
+    def __init__(self) -> None:
+        self._messages: list = []
+        self._ready = asyncio.Event()
+
+    def put(self, message) -> None:
+        self._messages.append(message)
+        self._ready.set()
+
+    def clear(self) -> None:
+        self._messages.clear()
+
+    async def write_to(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            batch, self._messages = self._messages, []
+            for message in batch:
+                await call.write(message)
+
+
 class TokenizerClient:
-    """Tokenize calls plus the shared detokenize session to one tokenizer address."""
+    """Tokenize batches plus the shared detokenize session to one tokenizer address."""
 
     def __init__(
         self,
@@ -75,12 +101,17 @@ class TokenizerClient:
             ],
         )
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
-        self._outbox: list[tokenizer_pb2.DetokenizeRequest] = []
-        self._outbox_ready = asyncio.Event()
+        self._detokenize_outbox = _Outbox()
         self._task: asyncio.Task | None = None
         self._sequence_number = 0
         self._tokenize_pending: list[tuple[tokenizer_pb2.TokenizeItem, asyncio.Future]] = []
         self._tokenize_tasks: set[asyncio.Task] = set()
+        # The TokenizeSession stream: open while `_tokenize_outbox` is not None; batches sent
+        # on it wait in `_tokenize_waiting` (by sequence number) for their answer.
+        self._tokenize_outbox: _Outbox | None = None
+        self._tokenize_waiting: dict[int, list[tuple]] = {}
+        self._tokenize_sequence = 0
+        self.tokenize_session_supported = True  # False once the tokenizer says UNIMPLEMENTED
         self.ready = False
         self.ready_changed: Callable[[], None] | None = None
         self.info: tokenizer_pb2.TokenizerInfo | None = None
@@ -100,8 +131,9 @@ class TokenizerClient:
     ) -> list[int]:
         """Encode one prompt; errors come back as SluiceError (the tokenizer's own code).
 
-        Prompts arriving in the same event-loop turn share one Tokenize call (a burst of
-        requests costs one round trip, not one each).
+        Prompts arriving in the same event-loop turn share one batch (a burst of requests
+        costs one round trip, not one each), sent on the TokenizeSession stream while it is
+        open, else as a Tokenize call.
         """
         timeout = self._tokenize_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
@@ -120,32 +152,51 @@ class TokenizerClient:
     def _flush_tokenize(self) -> None:
         batch, self._tokenize_pending = self._tokenize_pending, []
         for start in range(0, len(batch), MAX_TOKENIZE_BATCH):
-            task = asyncio.get_running_loop().create_task(
-                self._tokenize_batch(batch[start : start + MAX_TOKENIZE_BATCH])
-            )
-            self._tokenize_tasks.add(task)
-            task.add_done_callback(self._tokenize_tasks.discard)
+            self._send_tokenize(batch[start : start + MAX_TOKENIZE_BATCH])
 
-    async def _tokenize_batch(self, batch: list[tuple]) -> None:
+    def _send_tokenize(self, batch: list[tuple]) -> None:
+        if self._tokenize_outbox is not None:
+            self._tokenize_sequence += 1
+            self._tokenize_waiting[self._tokenize_sequence] = batch
+            self._tokenize_outbox.put(
+                tokenizer_pb2.TokenizeRequest(
+                    items=[item for item, _ in batch], sequence_number=self._tokenize_sequence
+                )
+            )
+            return
+        task = asyncio.get_running_loop().create_task(self._tokenize_call(batch))
+        self._tokenize_tasks.add(task)
+        task.add_done_callback(self._tokenize_tasks.discard)
+
+    async def _tokenize_call(self, batch: list[tuple]) -> None:
         try:
             response = await self._stub.Tokenize(
                 tokenizer_pb2.TokenizeRequest(items=[item for item, _ in batch]),
                 timeout=self._tokenize_timeout_s,
             )
-            if len(response.results) != len(batch):
-                raise UnavailableError("tokenizer answered with the wrong number of results")
-            for (_, future), result in zip(batch, response.results, strict=True):
-                if not future.done():
-                    future.set_result(result)
+            _settle(batch, response)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and len(batch) > 1:
-                # One bad item must not fail the others: ask again one by one.
-                for single in batch:
-                    await self._tokenize_batch([single])
+                self._resend_one_by_one(batch)
                 return
             _fail_all(batch, _error_from_status(exc))
-        except SluiceError as error:
-            _fail_all(batch, error)
+
+    def _resend_one_by_one(self, batch: list[tuple]) -> None:
+        """A refused batch: ask again item by item, so one bad item fails alone."""
+        for single in batch:
+            self._send_tokenize([single])
+
+    def _on_tokenized(self, response: tokenizer_pb2.TokenizeResponse) -> None:
+        batch = self._tokenize_waiting.pop(response.sequence_number, None)
+        if batch is None:
+            return
+        if response.HasField("error") and response.error.code:
+            if response.error.code == "INVALID_ARGUMENT" and len(batch) > 1:
+                self._resend_one_by_one(batch)
+            else:
+                _fail_all(batch, error_from_item(response.error.code, response.error.message))
+            return
+        _settle(batch, response)
 
     def next_sequence_number(self) -> int:
         self._sequence_number += 1
@@ -153,44 +204,64 @@ class TokenizerClient:
 
     def send(self, request: tokenizer_pb2.DetokenizeRequest) -> None:
         """Queue one batched detokenize message (never blocks)."""
-        self._outbox.append(request)
-        self._outbox_ready.set()
+        self._detokenize_outbox.put(request)
 
     async def _run(self) -> None:
         backoff = self._min_backoff_s
         while True:
             try:
                 self.info = await self._stub.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=5)
-                call = self._stub.DetokenizeSession()
-                self._outbox.clear()
-                self._set_ready(True)
-                backoff = self._min_backoff_s
-                log.info("detokenize session open to %s", self.address)
-                writer = asyncio.get_running_loop().create_task(self._write(call))
-                try:
-                    await self._read(call)
-                finally:
-                    writer.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await writer
-                    call.cancel()
+                await self._serve_sessions()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure means reconnect
                 log.warning("tokenizer %s unavailable: %s", self.address, _describe(exc))
-            if self.ready:
+            if self.ready:  # it served, then failed: the backoff starts over
+                backoff = self._min_backoff_s
                 self._set_ready(False)
                 self._on_lost()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max_backoff_s)
 
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
-        while True:
-            await self._outbox_ready.wait()
-            self._outbox_ready.clear()
-            batch, self._outbox = self._outbox, []
-            for message in batch:
-                await call.write(message)
+    async def _serve_sessions(self) -> None:
+        """Open the detokenize (and tokenize) streams and serve them until one fails."""
+        detokenize = self._stub.DetokenizeSession()
+        self._detokenize_outbox.clear()
+        tasks = [asyncio.ensure_future(self._detokenize_outbox.write_to(detokenize))]
+        readers = [asyncio.ensure_future(self._read(detokenize))]
+        tokenize = None
+        if self.tokenize_session_supported:
+            tokenize = self._stub.TokenizeSession()
+            self._tokenize_outbox = _Outbox()
+            tasks.append(asyncio.ensure_future(self._tokenize_outbox.write_to(tokenize)))
+            readers.append(asyncio.ensure_future(self._read_tokenize(tokenize)))
+        self._set_ready(True)
+        log.info("detokenize session open to %s", self.address)
+        try:
+            done, _ = await asyncio.wait(readers, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+        finally:
+            self._close_tokenize_session(UnavailableError("the tokenizer session dropped"))
+            for task in tasks + readers:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.gather(*tasks, *readers, return_exceptions=True)
+            detokenize.cancel()
+            if tokenize is not None:
+                tokenize.cancel()
+
+    def _close_tokenize_session(self, error: SluiceError | None) -> None:
+        """Stop using the TokenizeSession stream; its unanswered batches fail with `error`, or
+        (None) go again as Tokenize calls."""
+        self._tokenize_outbox = None
+        waiting, self._tokenize_waiting = self._tokenize_waiting, {}
+        for batch in waiting.values():
+            if error is None:
+                self._send_tokenize(batch)
+            else:
+                _fail_all(batch, error)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         on_response = self._on_response
@@ -200,10 +271,35 @@ class TokenizerClient:
                 raise UnavailableError("detokenize session closed by the tokenizer")
             on_response(response)
 
+    async def _read_tokenize(self, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    raise UnavailableError("tokenize session closed by the tokenizer")
+                self._on_tokenized(response)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            # A tokenizer without TokenizeSession: Tokenize calls from now on.
+            log.info("tokenizer %s has no TokenizeSession; using Tokenize calls", self.address)
+            self.tokenize_session_supported = False
+            self._close_tokenize_session(None)
+
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready
         if self.ready_changed is not None:
             self.ready_changed()
+
+
+def _settle(batch: list[tuple], response: tokenizer_pb2.TokenizeResponse) -> None:
+    """Hand each waiting prompt its result."""
+    if len(response.results) != len(batch):
+        _fail_all(batch, UnavailableError("tokenizer answered with the wrong number of results"))
+        return
+    for (_, future), result in zip(batch, response.results, strict=True):
+        if not future.done():
+            future.set_result(result)
 
 
 def _fail_all(batch: list[tuple], error: SluiceError) -> None:

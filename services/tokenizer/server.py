@@ -3,7 +3,9 @@
 `Tokenize` encodes a batch (each item text or chat) on a small thread pool so a long prompt does
 not stall the streams; a batch of short texts (the common case: tens of microseconds to encode)
 is encoded inline, which saves two thread hand-offs on every request's time to first token.
-Each item fails on its own with an ItemError. `DetokenizeSession` keeps one
+Each item fails on its own with an ItemError. `TokenizeSession` does the same over one
+long-lived stream (the router's way: one message each way per batch instead of a call's setup,
+headers and trailers), answering each batch by its sequence number. `DetokenizeSession` keeps one
 `session.DetokenizeSession` per stream and answers every inbound message (one engine step, many
 requests) with one outbound message carrying the same sequence_number; its work is done inline
 because it is small (a few microseconds per update). `Info` describes the tokenizer.
@@ -51,6 +53,9 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 # A batch of text items (no chat template to render) with at most this many characters in all
 # is encoded on the event loop: cheaper and faster than a round trip through the thread pool.
 INLINE_ENCODE_MAX_CHARS = 2048
+# Batches of one TokenizeSession being encoded on the pool at once; past it the session stops
+# reading until one is done.
+MAX_SESSION_BATCHES_OFF_LOOP = 64
 
 
 def encode_item_from_pb(item: tokenizer_pb2.TokenizeItem) -> EncodeItem:
@@ -142,17 +147,88 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def Tokenize(  # noqa: N802 - gRPC method name
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
-        if len(request.items) > self._config.max_batch_items:
-            raise InvalidArgumentError(
-                f"a Tokenize call may carry at most {self._config.max_batch_items} items, "
-                f"got {len(request.items)}"
-            )
+        refused = self._refusal(request)
+        if refused is not None:
+            raise InvalidArgumentError(refused)
         items = [encode_item_from_pb(item) for item in request.items]
         if _short_texts(items):
             return tokenizer_pb2.TokenizeResponse(results=self._encode_all(items))
+        return tokenizer_pb2.TokenizeResponse(results=await self._encode_off_loop(items))
+
+    async def TokenizeSession(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.TokenizeRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.TokenizeResponse]:
+        """Tokenize over one stream: every batch answered once, by its sequence number.
+
+        Short text batches are answered inline, in order; the others are encoded on the pool
+        and answered when done (at most MAX_SESSION_BATCHES_OFF_LOOP at once per session: the
+        reader waits, so a flood backs up into gRPC flow control instead of memory). A refused
+        batch gets an answer with `error` set; the stream goes on.
+        """
+        answers: asyncio.Queue[tokenizer_pb2.TokenizeResponse | None] = asyncio.Queue()
+
+        async def encode(sequence_number: int, items: list[EncodeItem]) -> None:
+            results = await self._encode_off_loop(items)
+            answers.put_nowait(
+                tokenizer_pb2.TokenizeResponse(results=results, sequence_number=sequence_number)
+            )
+
+        async def read() -> None:
+            pending: set[asyncio.Task] = set()
+            try:
+                async for request in request_iterator:
+                    number = request.sequence_number
+                    refused = self._refusal(request)
+                    if refused is not None:
+                        error = common_pb2.ItemError(code="INVALID_ARGUMENT", message=refused)
+                        answers.put_nowait(
+                            tokenizer_pb2.TokenizeResponse(sequence_number=number, error=error)
+                        )
+                        continue
+                    items = [encode_item_from_pb(item) for item in request.items]
+                    if _short_texts(items):
+                        answers.put_nowait(
+                            tokenizer_pb2.TokenizeResponse(
+                                results=self._encode_all(items), sequence_number=number
+                            )
+                        )
+                        continue
+                    if len(pending) >= MAX_SESSION_BATCHES_OFF_LOOP:
+                        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    task = asyncio.ensure_future(encode(number, items))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                if pending:  # the router closed its side: answer what it already sent
+                    await asyncio.wait(pending)
+            finally:
+                for task in pending:
+                    task.cancel()
+                answers.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            await reader  # its error, if it ended with one
+        finally:
+            reader.cancel()
+
+    def _refusal(self, request: tokenizer_pb2.TokenizeRequest) -> str | None:
+        """Why a whole batch is refused, or None."""
+        if len(request.items) > self._config.max_batch_items:
+            return (
+                f"a Tokenize call may carry at most {self._config.max_batch_items} items, "
+                f"got {len(request.items)}"
+            )
+        return None
+
+    async def _encode_off_loop(
+        self, items: Sequence[EncodeItem]
+    ) -> list[tokenizer_pb2.TokenizeResult]:
         loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(self._executor, self._encode_all, items)
-        return tokenizer_pb2.TokenizeResponse(results=results)
+        return await loop.run_in_executor(self._executor, self._encode_all, items)
 
     def _encode_all(self, items: Sequence[EncodeItem]) -> list[tokenizer_pb2.TokenizeResult]:
         results = []

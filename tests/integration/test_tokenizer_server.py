@@ -95,6 +95,40 @@ def test_too_many_items_is_invalid_argument(model) -> None:
     _run_with_server(model, scenario, max_batch_items=2)
 
 
+def test_tokenize_session_answers_every_batch_by_sequence_number(model) -> None:
+    long_text = "All work and no play makes a dull model. " * 80  # encoded off the event loop
+    batches = {
+        1: ["Hello world", "What is the capital of France?"],
+        2: [long_text],
+        3: ["x"] * 3,  # over max_batch_items: refused, the stream goes on
+        4: ["", "one two three"],  # an item error fails that item only
+        5: ["short after long"],
+    }
+
+    async def scenario(channel) -> None:
+        call = tokenizer_pb2_grpc.TokenizerStub(channel).TokenizeSession()
+        for number, texts in batches.items():
+            items = [tokenizer_pb2.TokenizeItem(text=t) for t in texts]
+            await call.write(tokenizer_pb2.TokenizeRequest(items=items, sequence_number=number))
+        await call.done_writing()
+        answers = {}
+        async for response in call:
+            assert response.sequence_number not in answers  # each batch answered once
+            answers[response.sequence_number] = response
+        assert sorted(answers) == sorted(batches)
+        for number in (1, 2, 5):
+            got = [list(r.token_ids) for r in answers[number].results]
+            assert got == [model.hf_tokenizer.encode(t) for t in batches[number]]
+        assert answers[3].error.code == "INVALID_ARGUMENT" and not answers[3].results
+        assert "at most 2 items" in answers[3].error.message
+        first, second = answers[4].results
+        assert first.error.code == "INVALID_ARGUMENT"
+        assert list(second.token_ids) == model.hf_tokenizer.encode("one two three")
+        assert await call.code() == grpc.StatusCode.OK
+
+    _run_with_server(model, scenario, max_batch_items=2)
+
+
 def test_detokenize_session_multiplexes_requests_with_stops_and_unicode(model) -> None:
     texts = {
         "emoji": "Bonjour 😀👍🏽 🇫🇷 ok",

@@ -22,10 +22,12 @@ class TokenizeItem(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., add_generation_prompt: bool = ..., add_special_tokens: bool = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "sequence_number")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[TokenizeItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[TokenizeItem, _Mapping]]] = ...) -> None: ...
+    sequence_number: int
+    def __init__(self, items: _Optional[_Iterable[_Union[TokenizeItem, _Mapping]]] = ..., sequence_number: _Optional[int] = ...) -> None: ...
 
 class TokenizeResult(_message.Message):
     __slots__ = ("token_ids", "error")
@@ -36,10 +38,14 @@ class TokenizeResult(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[_common_pb2.ItemError, _Mapping]] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "sequence_number", "error")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[TokenizeResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[TokenizeResult, _Mapping]]] = ...) -> None: ...
+    sequence_number: int
+    error: _common_pb2.ItemError
+    def __init__(self, results: _Optional[_Iterable[_Union[TokenizeResult, _Mapping]]] = ..., sequence_number: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ItemError, _Mapping]] = ...) -> None: ...
 
 class DetokenizeOptions(_message.Message):
     __slots__ = ("stop", "include_stop_str_in_output", "skip_special_tokens", "prompt_tail_ids")

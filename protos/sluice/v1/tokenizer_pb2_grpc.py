@@ -40,6 +40,11 @@ class TokenizerStub(object):
                 request_serializer=protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.TokenizeSession = channel.stream_stream(
+                '/sluice.v1.Tokenizer/TokenizeSession',
+                request_serializer=protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
         self.DetokenizeSession = channel.stream_stream(
                 '/sluice.v1.Tokenizer/DetokenizeSession',
                 request_serializer=protos_dot_sluice_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
@@ -58,6 +63,15 @@ class TokenizerServicer(object):
 
     def Tokenize(self, request, context):
         """Encodes a batch of prompts or chat conversations.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenizeSession(self, request_iterator, context):
+        """The same over one long-lived stream (what the router uses): each inbound batch is answered
+        by one response carrying its sequence_number, possibly out of order (a long batch is encoded
+        off the event loop while short ones are answered). Saves a call's setup per request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +97,11 @@ def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
+                    request_deserializer=protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'TokenizeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.TokenizeSession,
                     request_deserializer=protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeRequest.FromString,
                     response_serializer=protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeResponse.SerializeToString,
             ),
@@ -123,6 +142,33 @@ class Tokenizer(object):
             request,
             target,
             '/sluice.v1.Tokenizer/Tokenize',
+            protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sluice.v1.Tokenizer/TokenizeSession',
             protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
             protos_dot_sluice_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
             options,

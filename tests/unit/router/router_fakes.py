@@ -115,18 +115,42 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
 
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self) -> None:
+    """Characters as token ids. With `sessions=False` it lacks TokenizeSession (UNIMPLEMENTED),
+    like a tokenizer from before it, so the router's fallback to Tokenize calls is tested."""
+
+    def __init__(self, *, sessions: bool = True) -> None:
         self.cancelled: list[str] = []
         self.state: dict[str, dict] = {}
-        self.tokenize_batches: list[int] = []  # items per Tokenize call
+        self.tokenize_batches: list[int] = []  # items per batch, either way
+        self.tokenize_calls = 0  # batches that came as unary Tokenize calls
+        if not sessions:
+            self.TokenizeSession = super().TokenizeSession
 
     async def Info(self, request, context):  # noqa: N802
         return tokenizer_pb2.TokenizerInfo(model="fake", vocab_size=VOCAB_SIZE)
 
     async def Tokenize(self, request, context):  # noqa: N802
+        self.tokenize_calls += 1
+        response = self._encode(request)
+        if response is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "batch rejected")
+        return response
+
+    async def TokenizeSession(self, request_iterator, context):  # noqa: N802
+        async for request in request_iterator:
+            response = self._encode(request)
+            if response is None:
+                response = tokenizer_pb2.TokenizeResponse()
+                response.error.code = "INVALID_ARGUMENT"
+                response.error.message = "batch rejected"
+            response.sequence_number = request.sequence_number
+            yield response
+
+    def _encode(self, request) -> tokenizer_pb2.TokenizeResponse | None:
+        """The answer to one batch, or None when it is rejected as a whole."""
         self.tokenize_batches.append(len(request.items))
         if any(item.text == "REJECT-BATCH" for item in request.items):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "batch rejected")
+            return None
         response = tokenizer_pb2.TokenizeResponse()
         for item in request.items:
             if item.WhichOneof("input") == "chat":

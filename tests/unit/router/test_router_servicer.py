@@ -20,7 +20,7 @@ from protos.sluice.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.common.errors import InvalidArgumentError
+from services.common.errors import InvalidArgumentError, UnavailableError
 from services.router.config import RouterConfig
 from services.router.server import shutdown, start
 from tests.unit.router.router_fakes import FakeEngine, FakeTokenizer, generated_text, start_fake
@@ -42,11 +42,12 @@ def run_stack(
     test: Callable[[Stack], Awaitable[None]],
     *,
     engine: FakeEngine | None = None,
+    tokenizer: FakeTokenizer | None = None,
     **config_fields,
 ) -> None:
     async def scenario() -> None:
         fake_engine = engine or FakeEngine()
-        fake_tokenizer = FakeTokenizer()
+        fake_tokenizer = tokenizer or FakeTokenizer()
         engine_server, engine_port = await start_fake(
             fake_engine, engine_pb2_grpc.add_EngineServicer_to_server
         )
@@ -63,7 +64,7 @@ def run_stack(
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         stack = Stack(fake_engine, fake_tokenizer)
         stack.core, stack.server, stack.channel = core, server, channel
-        stack.engine_server = engine_server
+        stack.engine_server, stack.tokenizer_server = engine_server, tokenizer_server
         stack.stub = router_pb2_grpc.RouterStub(channel)
         stack.health = health_pb2_grpc.HealthStub(channel)
         try:
@@ -369,7 +370,8 @@ def test_router_reconnects_when_the_engine_comes_back() -> None:
     run_stack(check, reconnect_min_backoff=0.05, reconnect_max_backoff=0.2)
 
 
-def test_prompts_of_one_loop_turn_share_one_tokenize_call() -> None:
+@pytest.mark.parametrize("sessions", [True, False], ids=["session", "unary-fallback"])
+def test_prompts_of_one_loop_turn_share_one_tokenize_batch(sessions: bool) -> None:
     async def check(stack: Stack) -> None:
         client = stack.core.tokenizer
         items = [tokenizer_pb2.TokenizeItem(text=f"p{i}") for i in range(6)]
@@ -384,8 +386,56 @@ def test_prompts_of_one_loop_turn_share_one_tokenize_call() -> None:
         assert results[:6] == [[ord("p"), ord(str(i))] for i in range(6)]
         assert isinstance(results[6], InvalidArgumentError)
         assert stack.tokenizer.tokenize_batches[1:] == [7] + [1] * 7
+        # The stream when the tokenizer has it; else Tokenize calls (it said UNIMPLEMENTED).
+        assert client.tokenize_session_supported is sessions
+        assert stack.tokenizer.tokenize_calls == (0 if sessions else 9)
+        responses = await stack.collect(text_request(max_tokens=3))
+        assert "".join(r.text for r in responses) == generated_text(3)
 
-    run_stack(check)
+    run_stack(check, tokenizer=FakeTokenizer(sessions=sessions))
+
+
+class SilentTokenizer(FakeTokenizer):
+    """Takes TokenizeSession batches and never answers them."""
+
+    async def TokenizeSession(self, request_iterator, context):  # noqa: N802
+        async for request in request_iterator:
+            self.tokenize_batches.append(len(request.items))
+        if False:  # an async generator that yields nothing
+            yield
+
+
+def test_prompts_waiting_on_a_lost_tokenizer_fail_unavailable_and_the_session_reopens() -> None:
+    async def check(stack: Stack) -> None:
+        client = stack.core.tokenizer
+        waiting = asyncio.ensure_future(client.tokenize(tokenizer_pb2.TokenizeItem(text="hi")))
+        await eventually(lambda: stack.tokenizer.tokenize_batches == [1], "the batch sent")
+        started = time.monotonic()
+        await stack.tokenizer_server.stop(None)
+        with pytest.raises(UnavailableError):
+            await waiting
+        assert time.monotonic() - started < 2.0  # failed with the session, not at its timeout
+        await eventually(lambda: not stack.core.serving, "router not serving")
+        port = int(stack.core.config.tokenizer.rpartition(":")[2])
+        server = grpc.aio.server()
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server(FakeTokenizer(), server)
+        assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+        await server.start()
+        try:
+            await eventually(lambda: stack.core.serving, "router serving again")
+            assert client.tokenize_session_supported
+            responses = await stack.collect(text_request(max_tokens=3))
+            assert "".join(r.text for r in responses) == generated_text(3)
+        finally:
+            await server.stop(None)
+
+    run_stack(
+        check,
+        tokenizer=SilentTokenizer(),
+        tokenize_timeout=30.0,
+        reconnect_min_backoff=0.05,
+        reconnect_max_backoff=0.2,
+    )
 
 
 def test_api_keys(tmp_path: Path) -> None:

@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="tokenizer address of that stack")
     parser.add_argument("--router-pid", type=int, help="router process id (for CPU accounting)")
     parser.add_argument(
-        "--idle-samples", type=int, default=30, help="requests for the idle TTFT comparison"
+        "--idle-samples", type=int, default=100, help="requests for the idle TTFT comparison"
     )
     parser.add_argument(
         "--only", choices=("router", "engine"), help="run one side only (for profiling)"

@@ -12,6 +12,7 @@ SluiceError subclasses.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    """A handler that returns its answer, or (streaming) writes with `context.write`."""
+
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await behavior(request, context)
@@ -106,6 +109,10 @@ def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]
 
 
 def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    """A handler that streams its answers: an async generator, or one that writes them."""
+    if not inspect.isasyncgenfunction(behavior):
+        return _wrap_unary(behavior, method)
+
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             async for response in behavior(request, context):

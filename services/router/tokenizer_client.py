@@ -52,14 +52,20 @@ def error_from_item(code: str, message: str) -> SluiceError:
 
 class _Outbox:
     """Messages for one stream, written in order by one writer task (writes never overlap), so
-    a sender never waits for the network."""
+    a sender never waits for the network. `collect`, if given, runs each time the writer wakes,
+    before it takes the messages: work gathered during a loop turn becomes messages then,
+    without a callback of its own (one loop turn less on the way out)."""
 
-    def __init__(self) -> None:
+    def __init__(self, collect: Callable[[], None] | None = None) -> None:
         self._messages: list = []
         self._ready = asyncio.Event()
+        self._collect = collect
 
     def put(self, message) -> None:
         self._messages.append(message)
+        self._ready.set()
+
+    def wake(self) -> None:
         self._ready.set()
 
     def clear(self) -> None:
@@ -68,6 +74,8 @@ class _Outbox:
     async def write_to(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
             await self._ready.wait()
+            if self._collect is not None:
+                self._collect()
             self._ready.clear()
             batch, self._messages = self._messages, []
             for message in batch:
@@ -138,13 +146,19 @@ class TokenizerClient:
         timeout = self._tokenize_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
+        # The future is this prompt's own, awaited directly: the answer resumes the caller in
+        # the next loop turn (wait_for + shield would take three), and a timer fails it.
+        timer = loop.call_later(max(timeout, 0.001), _expire, future)
         self._tokenize_pending.append((item, future))
         if len(self._tokenize_pending) == 1:
-            loop.call_soon(self._flush_tokenize)
+            if self._tokenize_outbox is not None:
+                self._tokenize_outbox.wake()  # its writer takes the batch when it runs
+            else:
+                loop.call_soon(self._flush_tokenize)
         try:
-            result = await asyncio.wait_for(asyncio.shield(future), max(timeout, 0.001))
-        except TimeoutError:
-            raise DeadlineExceededError("tokenizing the prompt took too long") from None
+            result = await future
+        finally:
+            timer.cancel()
         if result.HasField("error") and result.error.code:
             raise error_from_item(result.error.code, result.error.message)
         return list(result.token_ids)
@@ -232,7 +246,7 @@ class TokenizerClient:
         tokenize = None
         if self.tokenize_session_supported:
             tokenize = self._stub.TokenizeSession()
-            self._tokenize_outbox = _Outbox()
+            self._tokenize_outbox = _Outbox(collect=self._flush_tokenize)
             tasks.append(asyncio.ensure_future(self._tokenize_outbox.write_to(tokenize)))
             readers.append(asyncio.ensure_future(self._read_tokenize(tokenize)))
         self._set_ready(True)
@@ -262,6 +276,8 @@ class TokenizerClient:
                 self._send_tokenize(batch)
             else:
                 _fail_all(batch, error)
+        if self._tokenize_pending:  # gathered for the stream's writer, never taken
+            self._flush_tokenize()
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         on_response = self._on_response
@@ -290,6 +306,11 @@ class TokenizerClient:
         self.ready = ready
         if self.ready_changed is not None:
             self.ready_changed()
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(DeadlineExceededError("tokenizing the prompt took too long"))
 
 
 def _settle(batch: list[tuple], response: tokenizer_pb2.TokenizeResponse) -> None:

@@ -159,61 +159,56 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self,
         request_iterator: AsyncIterator[tokenizer_pb2.TokenizeRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[tokenizer_pb2.TokenizeResponse]:
+    ) -> None:
         """Tokenize over one stream: every batch answered once, by its sequence number.
 
-        Short text batches are answered inline, in order; the others are encoded on the pool
-        and answered when done (at most MAX_SESSION_BATCHES_OFF_LOOP at once per session: the
-        reader waits, so a flood backs up into gRPC flow control instead of memory). A refused
-        batch gets an answer with `error` set; the stream goes on.
+        Short text batches are answered inline, in order, as soon as they are read (written
+        from this handler, not handed to another task: no extra loop turn on the way to the
+        first token); the others are encoded on the pool and answered when done (at most
+        MAX_SESSION_BATCHES_OFF_LOOP at once per session: the reader waits, so a flood backs up
+        into gRPC flow control instead of memory). A refused batch gets an answer with `error`
+        set; the stream goes on.
         """
-        answers: asyncio.Queue[tokenizer_pb2.TokenizeResponse | None] = asyncio.Queue()
+        writing = asyncio.Lock()  # one write at a time: inline answers and pool answers
+
+        async def answer(response: tokenizer_pb2.TokenizeResponse) -> None:
+            async with writing:
+                await context.write(response)
 
         async def encode(sequence_number: int, items: list[EncodeItem]) -> None:
             results = await self._encode_off_loop(items)
-            answers.put_nowait(
+            await answer(
                 tokenizer_pb2.TokenizeResponse(results=results, sequence_number=sequence_number)
             )
 
-        async def read() -> None:
-            pending: set[asyncio.Task] = set()
-            try:
-                async for request in request_iterator:
-                    number = request.sequence_number
-                    refused = self._refusal(request)
-                    if refused is not None:
-                        error = common_pb2.ItemError(code="INVALID_ARGUMENT", message=refused)
-                        answers.put_nowait(
-                            tokenizer_pb2.TokenizeResponse(sequence_number=number, error=error)
-                        )
-                        continue
-                    items = [encode_item_from_pb(item) for item in request.items]
-                    if _short_texts(items):
-                        answers.put_nowait(
-                            tokenizer_pb2.TokenizeResponse(
-                                results=self._encode_all(items), sequence_number=number
-                            )
-                        )
-                        continue
-                    if len(pending) >= MAX_SESSION_BATCHES_OFF_LOOP:
-                        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    task = asyncio.ensure_future(encode(number, items))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-                if pending:  # the router closed its side: answer what it already sent
-                    await asyncio.wait(pending)
-            finally:
-                for task in pending:
-                    task.cancel()
-                answers.put_nowait(None)
-
-        reader = asyncio.ensure_future(read())
+        pending: set[asyncio.Task] = set()
         try:
-            while (answer := await answers.get()) is not None:
-                yield answer
-            await reader  # its error, if it ended with one
+            async for request in request_iterator:
+                number = request.sequence_number
+                refused = self._refusal(request)
+                if refused is not None:
+                    error = common_pb2.ItemError(code="INVALID_ARGUMENT", message=refused)
+                    await answer(
+                        tokenizer_pb2.TokenizeResponse(sequence_number=number, error=error)
+                    )
+                    continue
+                items = [encode_item_from_pb(item) for item in request.items]
+                if _short_texts(items):
+                    results = self._encode_all(items)
+                    await answer(
+                        tokenizer_pb2.TokenizeResponse(results=results, sequence_number=number)
+                    )
+                    continue
+                if len(pending) >= MAX_SESSION_BATCHES_OFF_LOOP:
+                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                task = asyncio.ensure_future(encode(number, items))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            # The router closed its side: answer what it already sent (errors surface here).
+            await asyncio.gather(*pending)
         finally:
-            reader.cancel()
+            for task in pending:
+                task.cancel()
 
     def _refusal(self, request: tokenizer_pb2.TokenizeRequest) -> str | None:
         """Why a whole batch is refused, or None."""

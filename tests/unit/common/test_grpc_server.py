@@ -27,6 +27,14 @@ class _Failing(tokenizer_pb2_grpc.TokenizerServicer):
             yield tokenizer_pb2.DetokenizeResponse(sequence_number=7)
             raise InvalidArgumentError("bad update")
 
+    async def TokenizeSession(self, request_iterator, context):  # noqa: N802
+        # A streaming handler that writes (not an async generator): errors map the same way.
+        async for request in request_iterator:
+            await context.write(tokenizer_pb2.TokenizeResponse(sequence_number=8))
+            if request.items:
+                raise RuntimeError("secret internals")
+            raise ResourceExhaustedError("too many batches", retry_after_s=0.5)
+
 
 def _run(coro):
     return asyncio.run(coro)
@@ -76,6 +84,15 @@ def test_errors_map_to_status_codes_and_health_flips() -> None:
                 with pytest.raises(grpc.aio.AioRpcError) as stream_error:
                     await call.read()
                 assert stream_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+                for items, code in (([], "RESOURCE_EXHAUSTED"), ([item], "INTERNAL")):
+                    call = stub.TokenizeSession()
+                    await call.write(tokenizer_pb2.TokenizeRequest(items=items))
+                    assert (await call.read()).sequence_number == 8
+                    with pytest.raises(grpc.aio.AioRpcError) as writer_error:
+                        await call.read()
+                    assert writer_error.value.code().name == code
+                    assert "secret" not in writer_error.value.details()
 
                 reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
                 responses = reflect.ServerReflectionInfo(

@@ -20,7 +20,11 @@ from protos.sluice.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from services.router.config import RouterConfig
 from services.router.server import shutdown, start
 from tests.unit.router.router_fakes import FakeEngine, FakeTokenizer, generated_text, start_fake
@@ -403,6 +407,20 @@ class SilentTokenizer(FakeTokenizer):
             self.tokenize_batches.append(len(request.items))
         if False:  # an async generator that yields nothing
             yield
+
+
+def test_a_prompt_the_tokenizer_never_answers_fails_at_its_deadline() -> None:
+    async def check(stack: Stack) -> None:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            await stack.core.tokenizer.tokenize(tokenizer_pb2.TokenizeItem(text="hi"), 0.2)
+        assert 0.15 < time.monotonic() - started < 1.5
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stack.collect(text_request(max_tokens=2), timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert stack.engine.submitted == []
+
+    run_stack(check, tokenizer=SilentTokenizer())
 
 
 def test_prompts_waiting_on_a_lost_tokenizer_fail_unavailable_and_the_session_reopens() -> None:

@@ -4,6 +4,8 @@ A background thread fetches each URL every `interval_s` and keeps the gauge and 
 (histogram buckets are skipped: the harness measures latency itself). The report plots queue
 depth, running sequences and KV-cache use from these series beside the client-side latency.
 Scrape failures are counted, never fatal: a run is not lost because a metrics port is down.
+`scrape_histogram` and `window_quantile` read one histogram at two moments and give a quantile
+of what was observed in between (the stack benchmark's first-token phases).
 """
 
 from __future__ import annotations
@@ -74,6 +76,45 @@ def scrape_once(url: str, timeout_s: float = 2.0) -> dict[str, float]:
     """Fetch and parse one endpoint (raises OSError/ValueError on failure)."""
     with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - operator URL
         return parse_metrics(response.read().decode("utf-8", errors="replace"))
+
+
+# Cumulative histogram buckets: (upper bound "le", observations at or below it), ascending.
+Buckets = list[tuple[float, float]]
+
+
+def scrape_histogram(url: str, name: str, label: str, timeout_s: float = 5.0) -> dict[str, Buckets]:
+    """One histogram's cumulative buckets from an endpoint, by the value of `label`."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - operator URL
+        text = response.read().decode("utf-8", errors="replace")
+    by_label: dict[str, Buckets] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket" and label in sample.labels:
+                bucket = (float(sample.labels["le"]), float(sample.value))
+                by_label.setdefault(sample.labels[label], []).append(bucket)
+    return {key: sorted(buckets) for key, buckets in by_label.items()}
+
+
+def window_quantile(before: Buckets, after: Buckets, q: float) -> float | None:
+    """The q-quantile of the observations made between two scrapes of one histogram,
+    interpolated linearly inside its bucket as Prometheus' histogram_quantile does (the lowest
+    bucket from 0; past the highest finite bound: that bound). None without observations."""
+    earlier = dict(before)
+    window = [(bound, count - earlier.get(bound, 0.0)) for bound, count in sorted(after)]
+    if not window or window[-1][1] <= 0:
+        return None
+    rank = window[-1][1] * q
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in window:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 0.0
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, count
+    return None
 
 
 class Scraper:

@@ -13,7 +13,9 @@ stack (gRPC hops, detokenization, per-request streaming), not the model. It
    (router minus engine alone, both ways; under load also from a separate probe process,
    loadtest/stack_bench_probe.py, which the load generator's own event loop cannot delay), and
    each process's CPU microseconds per streamed token (router, engine, tokenizer, and this
-   bench client; from /proc through psutil).
+   bench client; from /proc through psutil), and where the router's time to first token went
+   under the load (median per phase: tokenize, queue, engine, detokenize; from the router's
+   `sluice_router_first_token_phase_seconds` histogram over the same window).
 
     python -m loadtest.stack_bench --model dummy:tiny --concurrency 64 --duration 10
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from loadtest.scrape import Buckets, scrape_histogram, window_quantile
 from loadtest.stack_bench_clients import (
     PROMPTS,
     LoadShape,
@@ -87,6 +90,32 @@ def _cpu_sampler(pids: dict[str, int | None]):
     return sample
 
 
+PHASES = ("tokenize", "queue", "engine", "detokenize")
+PHASE_METRIC = "sluice_router_first_token_phase_seconds"
+
+
+class FirstTokenPhases:
+    """Snapshots of the router's first-token phase histogram (its /metrics) at the counting
+    window's edges; `medians_ms()` gives each phase's median inside the window."""
+
+    def __init__(self, metrics_url: str) -> None:
+        self.url = metrics_url
+        self.snapshots: list[dict[str, Buckets]] = []
+
+    def snapshot(self) -> None:
+        self.snapshots.append(scrape_histogram(self.url, PHASE_METRIC, "phase"))
+
+    def medians_ms(self) -> dict[str, float | None]:
+        if len(self.snapshots) < 2:
+            return {}
+        first, last = self.snapshots[0], self.snapshots[-1]
+        medians: dict[str, float | None] = {}
+        for phase in PHASES:
+            median = window_quantile(first.get(phase, []), last.get(phase, []), 0.5)
+            medians[phase] = None if median is None else median * 1e3
+        return medians
+
+
 def _prober(target: str, address: str, prompt_ids: list[list[int]]):
     """A stack_bench_clients.Probe: loadtest/stack_bench_probe.py running next to the load."""
 
@@ -104,9 +133,11 @@ def _prober(target: str, address: str, prompt_ids: list[list[int]]):
 
 
 def _start_stack(args: argparse.Namespace):
-    from services.launcher import Stack, StackConfig
+    from services.launcher import Stack, StackConfig, free_port
 
-    router_args = ["--log-level", "WARNING"]
+    metrics_port = free_port()
+    args.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    router_args = ["--log-level", "WARNING", "--metrics-port", str(metrics_port)]
     if args.stream_interval is not None:
         router_args += ["--stream-interval", str(args.stream_interval)]
     config = StackConfig(
@@ -146,6 +177,8 @@ async def run(args: argparse.Namespace) -> dict:
     shape = LoadShape(args.concurrency, args.max_tokens, args.duration, args.warmup)
     results: dict[str, RunResult] = {}
     idle: dict[str, list[float]] = {}
+    phases: FirstTokenPhases | None = None
+    first_token_phases: dict[str, float | None] = {}
     try:
         prompt_ids = await _tokenize(tokenizer)
         if args.only != "router":
@@ -153,7 +186,17 @@ async def run(args: argparse.Namespace) -> dict:
             results["engine_alone"] = await engine_run(engine, prompt_ids, shape, cpu, probe)
         if args.only != "engine":
             probe = _prober("router", router, prompt_ids) if args.probe else None
-            results["router"] = await router_run(router, shape, cpu, probe)
+            sampler = cpu
+            if args.router_metrics:
+                phases = FirstTokenPhases(args.router_metrics)
+
+                def sampler() -> dict[str, float]:  # called at the window's two edges
+                    phases.snapshot()
+                    return cpu()
+
+            results["router"] = await router_run(router, shape, sampler, probe)
+            if phases is not None:
+                first_token_phases = phases.medians_ms()
         if args.only is None and args.idle_samples:
             idle["engine_alone"] = await engine_idle_ttft(engine, prompt_ids, args.idle_samples)
             idle["router"] = await router_idle_ttft(router, args.idle_samples)
@@ -177,6 +220,8 @@ async def run(args: argparse.Namespace) -> dict:
     }
     for name, result in results.items():
         report[name] = result.summary()
+    if first_token_phases:
+        report["router"]["first_token_phase_median_ms"] = first_token_phases
     if len(results) == 2:
         engine_side, router_side = report["engine_alone"], report["router"]
         report["ratio_router_to_engine"] = (
@@ -226,6 +271,12 @@ def _print(report: dict) -> None:
                 f"requests): median {side['probe_ttft_median_ms']:.1f} ms, p90 "
                 f"{side['probe_ttft_p90_ms']:.1f} ms"
             )
+        if side.get("first_token_phase_median_ms"):
+            phases = ", ".join(
+                f"{phase} {'-' if ms is None else f'{ms:.1f}'}"
+                for phase, ms in side["first_token_phase_median_ms"].items()
+            )
+            print(f"{'':>15}router's first-token phases (medians, ms): {phases}")
     if "ratio_router_to_engine" in report:
         print(f"ratio router / engine alone: {report['ratio_router_to_engine']:.3f}")
         print(
@@ -258,6 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine", help="engine address of that stack")
     parser.add_argument("--tokenizer", help="tokenizer address of that stack")
     parser.add_argument("--router-pid", type=int, help="router process id (for CPU accounting)")
+    parser.add_argument(
+        "--router-metrics",
+        help="that router's Prometheus URL (e.g. http://127.0.0.1:9090/metrics), for its "
+        "first-token phases; a started stack's is used by default",
+    )
     parser.add_argument(
         "--idle-samples", type=int, default=100, help="requests for the idle TTFT comparison"
     )

@@ -53,6 +53,11 @@ REJECT_REASONS = (
     "draining",
 )
 
+# One phase of the time to first token: a few hundred microseconds idle, tens of ms under load.
+_PHASE_BUCKETS = (
+    0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02,
+    0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 # Latency buckets from 1 ms to 2 min: TTFT under load spans that whole range.
 _LATENCY_BUCKETS = (
     0.001,
@@ -127,6 +132,14 @@ ROUTER_TIME_TO_FIRST_TOKEN = Histogram(
     "sluice_router_time_to_first_token_seconds",
     "From the request's arrival at the router to its first streamed token.",
     buckets=_LATENCY_BUCKETS,
+)
+ROUTER_FIRST_TOKEN_PHASE = Histogram(
+    "sluice_router_first_token_phase_seconds",
+    "Where time to first token went, by phase: tokenize (arrival to prompt ids; text and chat "
+    "requests only), queue (to placement on an engine), engine (to the engine step with the "
+    "first token), detokenize (to the first text, ready to stream).",
+    ["phase"],
+    buckets=_PHASE_BUCKETS,
 )
 ROUTER_INTER_TOKEN_LATENCY = Histogram(
     "sluice_router_inter_token_latency_seconds",

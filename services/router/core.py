@@ -190,6 +190,7 @@ class RouterCore:
         engines = self.pool.capacities()
         max_model_len = min(e.max_model_len for e in engines)
         vocab_size = min(c.info.vocab_size for c in self.pool.ready_connections() if c.info)
+        tokenized_at = 0.0
         if message.WhichOneof("input") == "prompt_token_ids":
             prompt_ids = list(message.prompt_token_ids.ids)
             validate_prompt_token_ids(prompt_ids, vocab_size)
@@ -199,6 +200,7 @@ class RouterCore:
             if timeout is not None and timeout <= 0:
                 raise DeadlineExceededError("the deadline passed before tokenizing")
             prompt_ids = await self.tokenizer.tokenize(item, timeout)
+            tokenized_at = time.monotonic()
         params.validate_for_model(len(prompt_ids), max_model_len, vocab_size)
         if self.rate_limiter is not None and caller is not None:
             await self.rate_limiter.acquire(
@@ -214,6 +216,7 @@ class RouterCore:
             priority=message.priority,
             deadline=deadline,
             arrival=arrival,
+            tokenized_at=tokenized_at,
             pacing=self.pacing,
         )
         if request.expired():
@@ -260,6 +263,7 @@ class RouterCore:
             connection = self.pool.get(placement.engine_id)
             request.mark_running(placement.engine_id)
             request.holds_engine_slot = True
+            request.placed_at = now
             self.running[request.request_id] = request
             connection.submit(submit_pb(request))
         self._update_queue_gauges()

@@ -72,6 +72,11 @@ class RouterRequest:
     priority: int = 0
     deadline: float | None = None  # time.monotonic() seconds
     arrival: float = field(default_factory=time.monotonic)
+    # When it got its prompt ids (0: it came with them), its engine, its first engine step
+    # (time.monotonic()): the phases of its time to first token.
+    tokenized_at: float = 0.0
+    placed_at: float = 0.0
+    first_step_at: float = 0.0
     state: RequestState = RequestState.QUEUED
     engine_id: str | None = None
     completion_tokens: int = 0

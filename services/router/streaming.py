@@ -5,7 +5,9 @@ For every `EngineStep` (all sequences of one engine, one forward step) the strea
 logprobs and finish reasons went with it. The matching `DetokenizeResponse` (paired by
 sequence number) turns into one `OutputPiece` per request, pushed into that request's own
 channel (requests getting their first token first), and reports the step's tokens to the
-router's pacing (pacing.py). A stop-string hit ends the request
+router's pacing (pacing.py). A request's first text also records where its time to first token
+went (`sluice_router_first_token_phase_seconds`: tokenize, queue, engine, detokenize). A
+stop-string hit ends the request
 (FINISH_REASON_STOP_STRING) and aborts it on the engine. Resource release (engine slot, engine
 abort, detokenizer cancel) goes through `RequestReleaser`, which the router core implements.
 """
@@ -16,6 +18,7 @@ import time
 from typing import Protocol
 
 from protos.sluice.v1 import common_pb2, engine_pb2, tokenizer_pb2
+from services.common import metrics
 from services.common.errors import SluiceError
 from services.router.convert import detokenize_options
 from services.router.pacing import StreamPacing
@@ -23,6 +26,21 @@ from services.router.request import OutputPiece, RouterRequest
 from services.router.tokenizer_client import TokenizerClient, error_from_item
 
 STOP_STRING = common_pb2.FINISH_REASON_STOP_STRING
+
+
+def observe_first_token_phases(request: RouterRequest, text_at: float) -> None:
+    """Record where the request's time to first token went (its first text is ready now)."""
+    phase = metrics.ROUTER_FIRST_TOKEN_PHASE
+    if request.tokenized_at:
+        phase.labels(phase="tokenize").observe(request.tokenized_at - request.arrival)
+    if request.placed_at:
+        phase.labels(phase="queue").observe(
+            request.placed_at - (request.tokenized_at or request.arrival)
+        )
+        if request.first_step_at:
+            phase.labels(phase="engine").observe(request.first_step_at - request.placed_at)
+    if request.first_step_at:
+        phase.labels(phase="detokenize").observe(text_at - request.first_step_at)
 
 
 class RequestReleaser(Protocol):
@@ -55,6 +73,7 @@ class OutputStreamer:
 
     def on_step(self, engine_id: str, step: engine_pb2.EngineStep) -> None:
         running = self._running
+        now = time.monotonic()
         message = tokenizer_pb2.DetokenizeRequest()
         # First tokens first: a request's first piece wakes its servicer (and goes out) before
         # the other streams' pieces of this step, so time to first token does not wait behind
@@ -83,7 +102,11 @@ class OutputStreamer:
             if finish_reason:
                 request.engine_done = True
                 self._releaser.engine_finished(request)
-            (record if request.completion_tokens else first).append((request, update))
+            if request.completion_tokens:
+                record.append((request, update))
+            else:
+                first.append((request, update))
+                request.first_step_at = request.first_step_at or now
         if first:
             record = first + record
         if record:
@@ -98,9 +121,12 @@ class OutputStreamer:
             return
         deltas = {delta.request_id: delta for delta in response.deltas}
         tokens = 0
+        now = time.monotonic()
         for request, update in record:
             if request.finished:
                 continue
+            if not request.completion_tokens:
+                observe_first_token_phases(request, now)
             delta = deltas.get(request.request_id)
             finish_reason = update.finish_reason
             if finish_reason:

@@ -45,4 +45,7 @@ def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys) -> None:
         router["tokens_per_s"] / engine["tokens_per_s"]
     )
     assert math.isfinite(report["added_ttft_median_ms_idle"])
+    phases = router["first_token_phase_median_ms"]  # from the router's histogram
+    assert set(phases) == set(stack_bench.PHASES)
+    assert all(phases[p] is not None and phases[p] >= 0 for p in ("tokenize", "queue", "engine"))
     assert "ratio router / engine alone" in capsys.readouterr().out

@@ -7,9 +7,9 @@ sequence number) turns into one `OutputPiece` per request, pushed into that requ
 channel (requests getting their first token first), and reports the step's tokens to the
 router's pacing (pacing.py). A request's first text also records where its time to first token
 went (`sluice_router_first_token_phase_seconds`: tokenize, queue, engine, detokenize). A
-stop-string hit ends the request
-(FINISH_REASON_STOP_STRING) and aborts it on the engine. Resource release (engine slot, engine
-abort, detokenizer cancel) goes through `RequestReleaser`, which the router core implements.
+stop-string hit ends the request (FINISH_REASON_STOP_STRING) and aborts it on the engine.
+Resource release (engine slot, engine abort, detokenizer cancel) goes through
+`RequestReleaser`, which the router core implements.
 """
 
 from __future__ import annotations

@@ -127,7 +127,14 @@ def _prober(target: str, address: str, prompt_ids: list[list[int]]):
         ]  # fmt: skip
         process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
         output, _ = await process.communicate()
-        return json.loads(output) if process.returncode == 0 else []
+        ttfts = json.loads(output) if process.returncode == 0 else []
+        if not ttfts:  # said, not silent: the report's probe figures are then missing (nan)
+            print(
+                f"warning: the {target} probe got no first token in the window "
+                f"(exit status {process.returncode})",
+                file=sys.stderr,
+            )
+        return ttfts
 
     return probe
 
@@ -277,7 +284,7 @@ def _print(report: dict) -> None:
                 for phase, ms in side["first_token_phase_median_ms"].items()
             )
             print(f"{'':>15}router's first-token phases (medians, ms): {phases}")
-    if "ratio_router_to_engine" in report:
+    if report.get("ratio_router_to_engine") is not None:
         print(f"ratio router / engine alone: {report['ratio_router_to_engine']:.3f}")
         print(
             f"added median TTFT under load: {report['added_ttft_median_ms_under_load']:.1f} ms "

@@ -176,9 +176,15 @@ async def router_run(
 
         streams = [asyncio.ensure_future(stream(i)) for i in range(shape.concurrency)]
         await _measure(window, result, cpu, probe)
+        failed = [task for task in streams if task.done() and task.exception() is not None]
         for task in streams:
             task.cancel()  # cancels the calls still running
         await asyncio.gather(*streams, return_exceptions=True)
+    if failed:  # a stream that died would silently lower the figure
+        raise RuntimeError(
+            f"{len(failed)} of {len(streams)} streams failed during the run, e.g. "
+            f"{failed[0].exception()!r}"
+        )
     return result
 
 
@@ -247,13 +253,17 @@ async def engine_run(
                 outbox.put_nowait(engine_pb2.EngineRequest(submits=[submit]))
                 await done
 
-        tasks = [asyncio.ensure_future(write()), asyncio.ensure_future(read())]
-        tasks += [asyncio.ensure_future(stream(i)) for i in range(shape.concurrency)]
+        session = [asyncio.ensure_future(write()), asyncio.ensure_future(read())]
+        tasks = session + [asyncio.ensure_future(stream(i)) for i in range(shape.concurrency)]
         await _measure(window, result, cpu, probe)
         for task in tasks:
             task.cancel()
         call.cancel()  # the engine aborts the session's requests and frees their blocks
+        outcomes = await asyncio.gather(*session, return_exceptions=True)
         await asyncio.gather(*tasks, return_exceptions=True)
+    for outcome in outcomes:  # a broken session must fail the run, not report zero tokens
+        if isinstance(outcome, Exception):
+            raise RuntimeError(f"the engine session failed during the run: {outcome!r}")
     return result
 
 

@@ -70,6 +70,7 @@ class _Session:
     outbox: asyncio.Queue[engine_pb2.EngineStep | None] = field(default_factory=asyncio.Queue)
     live: set[str] = field(default_factory=set)  # ids as the router sent them
     input_closed: bool = False
+    input_error: str = ""  # why reading the router's stream failed (the session then ends)
     last_sent: float = 0.0
 
     def internal_id(self, request_id: str) -> str:
@@ -159,6 +160,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             while True:
                 message = await session.outbox.get()
                 if message is None:
+                    if session.input_error:  # the router sees it and opens a new session
+                        raise UnavailableError(session.input_error)
                     return
                 yield message
         finally:
@@ -177,6 +180,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 self._handle(request, session, engine_loop)
         except (asyncio.CancelledError, grpc.RpcError):
             pass
+        except Exception as exc:  # noqa: BLE001 - never a session that silently stops reading
+            log.exception("session %s: reading the router's stream failed", session.key)
+            session.input_error = f"the engine could not read this session: {type(exc).__name__}"
+            session.outbox.put_nowait(None)  # ends the session now; its requests are aborted
+            return
         session.input_closed = True
         if not session.live:
             session.outbox.put_nowait(None)

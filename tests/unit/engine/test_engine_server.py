@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common.errors import UnavailableError
 from services.common.grpc_server import start_server
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
@@ -355,3 +356,31 @@ def test_standalone_worker_imports_neither_ray_nor_redis() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_a_session_whose_stream_cannot_be_read_ends_unavailable_and_frees_its_requests() -> None:
+    async def scenario() -> None:
+        async with engine_server() as (stub, servicer):
+            gate = asyncio.Event()
+
+            async def garbled() -> AsyncIterator[engine_pb2.EngineRequest]:
+                yield engine_pb2.EngineRequest(
+                    submits=[submit("long", [1, 2, 3], max_tokens=200, ignore_eos=True)]
+                )
+                await gate.wait()
+                raise RuntimeError("a stream the server cannot read")
+
+            steps: list[engine_pb2.EngineStep] = []
+            with pytest.raises(UnavailableError):  # the router sees UNAVAILABLE and reconnects
+                async for step in servicer.EngineSession(garbled(), None):
+                    steps.append(step)
+                    if any(u.request_id == "long" and u.token_ids for u in step.updates):
+                        gate.set()
+            assert gate.is_set()  # it was generating when the stream broke
+            await wait_all_blocks_free(stub)  # and was aborted, not left running
+            other = Session(stub)  # the engine serves other sessions as before
+            other.send(submits=[submit("ok", [1, 2], max_tokens=2, ignore_eos=True)])
+            await other.until(lambda: "ok" in other.finished)
+            other.outbox.put_nowait(None)
+
+    asyncio.run(scenario())

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -147,6 +148,7 @@ def _start_stack(args: argparse.Namespace):
     router_args = ["--log-level", "WARNING", "--metrics-port", str(metrics_port)]
     if args.stream_interval is not None:
         router_args += ["--stream-interval", str(args.stream_interval)]
+    router_args += shlex.split(args.router_args)
     config = StackConfig(
         model=args.model,
         port=0,
@@ -340,6 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         help="the started router's --stream-interval (tokens per response; 0: adapted to the "
         "load; default: the router's own default, adaptive)",
+    )
+    parser.add_argument(
+        "--router-args",
+        default="",
+        help="more flags for the started router, e.g. '--stream-message-budget 1500'",
     )
     parser.add_argument(
         "--no-probe",

@@ -66,9 +66,9 @@ class RouterConfig:
         "the load: 1 until the router streams more than --stream-message-budget tokens/s",
     )
     stream_message_budget: float = field(
-        2500.0,
+        1500.0,
         help="with --stream-interval 0: responses per second the router aims to stay under "
-        "(each costs ~70 us of router CPU and ~30 us of its client's; 2500/s ~ 0.2 core)",
+        "(each costs ~70 us of router CPU and ~30 us of its client's; 1500/s ~ 0.15 core)",
     )
     stream_max_interval: int = field(
         8, help="with --stream-interval 0: the most tokens one response gathers"

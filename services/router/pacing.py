@@ -32,7 +32,7 @@ class StreamPacing:
         self,
         fixed_interval: int = 0,
         *,
-        message_budget: float = 2500.0,
+        message_budget: float = 1500.0,
         max_interval: int = 8,
         max_hold_s: float = 0.05,
     ) -> None:

@@ -3,12 +3,13 @@
 Prompts are micro-batched: those that arrive in the same event-loop turn share one batch (a
 burst of arrivals costs one round trip, not one each), sent on one long-lived `TokenizeSession`
 stream (answers paired by sequence number; no call setup per request), or as a `Tokenize` call
-when the stream is down or the tokenizer lacks it. Detokenization is the per-token path, so it
-is batched too: the router sends ONE `DetokenizeRequest` per engine step with every request's
-new token ids and gets one `DetokenizeResponse` back, paired by `sequence_number`. Writer
-tasks drain outboxes so a step never waits for the network. When the sessions drop, `on_lost`
-is told (the router fails the requests whose text state lived there), prompts waiting on the
-tokenize stream fail with UNAVAILABLE, and the sessions are reopened with exponential backoff.
+while the stream is down or when the tokenizer's Info says it has none. Detokenization is the
+per-token path, so it is batched too: the router sends ONE `DetokenizeRequest` per engine step
+with every request's new token ids and gets one `DetokenizeResponse` back, paired by
+`sequence_number`. Writer tasks drain outboxes so a step never waits for the network. When the
+sessions drop, `on_lost` is told (the router fails the requests whose text state lived there),
+prompts waiting on the tokenize stream fail with UNAVAILABLE, and the sessions are reopened
+with exponential backoff.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class TokenizerClient:
         self._tokenize_outbox: _Outbox | None = None
         self._tokenize_waiting: dict[int, list[tuple]] = {}
         self._tokenize_sequence = 0
-        self.tokenize_session_supported = True  # False once the tokenizer says UNIMPLEMENTED
+        self.tokenize_session_supported = False  # what the tokenizer's Info says
         self.ready = False
         self.ready_changed: Callable[[], None] | None = None
         self.info: tokenizer_pb2.TokenizerInfo | None = None
@@ -244,6 +245,9 @@ class TokenizerClient:
         tasks = [asyncio.ensure_future(self._detokenize_outbox.write_to(detokenize))]
         readers = [asyncio.ensure_future(self._read(detokenize))]
         tokenize = None
+        # Asked, not tried: opening a stream the tokenizer lacks races the first writes against
+        # its UNIMPLEMENTED answer, and a write that loses turns the call's status into INTERNAL.
+        self.tokenize_session_supported = bool(self.info and self.info.tokenize_session)
         if self.tokenize_session_supported:
             tokenize = self._stub.TokenizeSession()
             self._tokenize_outbox = _Outbox(collect=self._flush_tokenize)
@@ -266,16 +270,12 @@ class TokenizerClient:
             if tokenize is not None:
                 tokenize.cancel()
 
-    def _close_tokenize_session(self, error: SluiceError | None) -> None:
-        """Stop using the TokenizeSession stream; its unanswered batches fail with `error`, or
-        (None) go again as Tokenize calls."""
+    def _close_tokenize_session(self, error: SluiceError) -> None:
+        """Stop using the TokenizeSession stream; its unanswered batches fail with `error`."""
         self._tokenize_outbox = None
         waiting, self._tokenize_waiting = self._tokenize_waiting, {}
         for batch in waiting.values():
-            if error is None:
-                self._send_tokenize(batch)
-            else:
-                _fail_all(batch, error)
+            _fail_all(batch, error)
         if self._tokenize_pending:  # gathered for the stream's writer, never taken
             self._flush_tokenize()
 
@@ -288,19 +288,11 @@ class TokenizerClient:
             on_response(response)
 
     async def _read_tokenize(self, call: grpc.aio.StreamStreamCall) -> None:
-        try:
-            while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:
-                    raise UnavailableError("tokenize session closed by the tokenizer")
-                self._on_tokenized(response)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            # A tokenizer without TokenizeSession: Tokenize calls from now on.
-            log.info("tokenizer %s has no TokenizeSession; using Tokenize calls", self.address)
-            self.tokenize_session_supported = False
-            self._close_tokenize_session(None)
+        while True:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                raise UnavailableError("tokenize session closed by the tokenizer")
+            self._on_tokenized(response)
 
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready

@@ -260,6 +260,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             vocab_size=self._model.vocab_size,
             eos_token_ids=list(self._model.eos_token_ids),
             has_chat_template=self._model.chat_template is not None,
+            tokenize_session=True,
         )
 
 

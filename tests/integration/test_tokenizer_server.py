@@ -200,6 +200,7 @@ def test_info_health_and_reflection(model) -> None:
         assert info.vocab_size == model.vocab_size
         assert list(info.eos_token_ids) == list(model.eos_token_ids)
         assert info.has_chat_template
+        assert info.tokenize_session  # routers use the stream
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "sluice.v1.Tokenizer"):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service))

@@ -110,13 +110,15 @@ class TokenizerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TokenizerInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "has_chat_template")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "has_chat_template", "tokenize_session")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZE_SESSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_chat_template: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: bool = ...) -> None: ...
+    tokenize_session: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: bool = ..., tokenize_session: bool = ...) -> None: ...

@@ -115,10 +115,12 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
 
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
-    """Characters as token ids. With `sessions=False` it lacks TokenizeSession (UNIMPLEMENTED),
-    like a tokenizer from before it, so the router's fallback to Tokenize calls is tested."""
+    """Characters as token ids. With `sessions=False` it lacks TokenizeSession (UNIMPLEMENTED,
+    and its Info says so), like a tokenizer from before it, so the router's Tokenize calls are
+    tested."""
 
     def __init__(self, *, sessions: bool = True) -> None:
+        self.sessions = sessions
         self.cancelled: list[str] = []
         self.state: dict[str, dict] = {}
         self.tokenize_batches: list[int] = []  # items per batch, either way
@@ -127,7 +129,9 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
             self.TokenizeSession = super().TokenizeSession
 
     async def Info(self, request, context):  # noqa: N802
-        return tokenizer_pb2.TokenizerInfo(model="fake", vocab_size=VOCAB_SIZE)
+        return tokenizer_pb2.TokenizerInfo(
+            model="fake", vocab_size=VOCAB_SIZE, tokenize_session=self.sessions
+        )
 
     async def Tokenize(self, request, context):  # noqa: N802
         self.tokenize_calls += 1

@@ -390,7 +390,7 @@ def test_prompts_of_one_loop_turn_share_one_tokenize_batch(sessions: bool) -> No
         assert results[:6] == [[ord("p"), ord(str(i))] for i in range(6)]
         assert isinstance(results[6], InvalidArgumentError)
         assert stack.tokenizer.tokenize_batches[1:] == [7] + [1] * 7
-        # The stream when the tokenizer has it; else Tokenize calls (it said UNIMPLEMENTED).
+        # The stream when the tokenizer's Info offers it; else Tokenize calls.
         assert client.tokenize_session_supported is sessions
         assert stack.tokenizer.tokenize_calls == (0 if sessions else 9)
         responses = await stack.collect(text_request(max_tokens=3))

@@ -88,6 +88,13 @@ def _short_texts(items: Sequence[EncodeItem]) -> bool:
     return total <= INLINE_ENCODE_MAX_CHARS
 
 
+def _forget(pending: set[asyncio.Task], task: asyncio.Task) -> None:
+    """A pool batch of a TokenizeSession is done: drop it, and say if answering it failed."""
+    pending.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a TokenizeSession answer failed: %r", task.exception())
+
+
 def update_from_pb(update: tokenizer_pb2.DetokenizeUpdate) -> Update:
     """The domain form of one DetokenizeUpdate."""
     options = None
@@ -203,7 +210,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                     await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 task = asyncio.ensure_future(encode(number, items))
                 pending.add(task)
-                task.add_done_callback(pending.discard)
+                task.add_done_callback(lambda done: _forget(pending, done))
             # The router closed its side: answer what it already sent (errors surface here).
             await asyncio.gather(*pending)
         finally:

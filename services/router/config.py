@@ -16,6 +16,11 @@ from services.common.config import add_arguments, field, from_layers
 from services.common.errors import InvalidArgumentError
 from services.common.redis_store import StoreConfig
 from services.router.api_keys import ApiKeyConfig
+from services.router.pacing import (
+    DEFAULT_MAX_HOLD_S,
+    DEFAULT_MAX_INTERVAL,
+    DEFAULT_MESSAGE_BUDGET,
+)
 
 
 @dataclass(frozen=True)
@@ -66,15 +71,16 @@ class RouterConfig:
         "the load: 1 until the router streams more than --stream-message-budget tokens/s",
     )
     stream_message_budget: float = field(
-        1500.0,
+        DEFAULT_MESSAGE_BUDGET,
         help="with --stream-interval 0: responses per second the router aims to stay under "
         "(each costs ~70 us of router CPU and ~30 us of its client's; 1500/s ~ 0.15 core)",
     )
     stream_max_interval: int = field(
-        8, help="with --stream-interval 0: the most tokens one response gathers"
+        DEFAULT_MAX_INTERVAL, help="with --stream-interval 0: the most tokens one response gathers"
     )
     stream_max_hold_ms: float = field(
-        50.0, help="with --stream-interval 0: the longest a token may be held back, ms"
+        DEFAULT_MAX_HOLD_S * 1e3,
+        help="with --stream-interval 0: the longest a token may be held back, ms",
     )
     reconnect_min_backoff: float = field(0.1, help="first reconnect delay to a lost service, s")
     reconnect_max_backoff: float = field(5.0, help="longest reconnect delay to a lost service, s")

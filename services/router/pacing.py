@@ -23,6 +23,10 @@ from __future__ import annotations
 import math
 
 RATE_WINDOW_S = 0.25
+# The adaptive pacing's defaults (RouterConfig's --stream-* flags take theirs from here).
+DEFAULT_MESSAGE_BUDGET = 1500.0  # responses per second
+DEFAULT_MAX_INTERVAL = 8  # tokens per response
+DEFAULT_MAX_HOLD_S = 0.05
 
 
 class StreamPacing:
@@ -32,9 +36,9 @@ class StreamPacing:
         self,
         fixed_interval: int = 0,
         *,
-        message_budget: float = 1500.0,
-        max_interval: int = 8,
-        max_hold_s: float = 0.05,
+        message_budget: float = DEFAULT_MESSAGE_BUDGET,
+        max_interval: int = DEFAULT_MAX_INTERVAL,
+        max_hold_s: float = DEFAULT_MAX_HOLD_S,
     ) -> None:
         if fixed_interval < 0 or max_interval < 1 or message_budget <= 0 or max_hold_s <= 0:
             raise ValueError("pacing needs fixed_interval >= 0, max_interval >= 1, budget > 0")

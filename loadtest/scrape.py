@@ -72,10 +72,15 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
+def fetch(url: str, timeout_s: float) -> str:
+    """One endpoint's exposition text (raises OSError on failure)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - operator URL
+        return response.read().decode("utf-8", errors="replace")
+
+
 def scrape_once(url: str, timeout_s: float = 2.0) -> dict[str, float]:
     """Fetch and parse one endpoint (raises OSError/ValueError on failure)."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - operator URL
-        return parse_metrics(response.read().decode("utf-8", errors="replace"))
+    return parse_metrics(fetch(url, timeout_s))
 
 
 # Cumulative histogram buckets: (upper bound "le", observations at or below it), ascending.
@@ -84,10 +89,8 @@ Buckets = list[tuple[float, float]]
 
 def scrape_histogram(url: str, name: str, label: str, timeout_s: float = 5.0) -> dict[str, Buckets]:
     """One histogram's cumulative buckets from an endpoint, by the value of `label`."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - operator URL
-        text = response.read().decode("utf-8", errors="replace")
     by_label: dict[str, Buckets] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(fetch(url, timeout_s)):
         if family.name != name:
             continue
         for sample in family.samples:

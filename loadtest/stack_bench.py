@@ -50,6 +50,7 @@ from loadtest.stack_bench_clients import (
 )
 from protos.sluice.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import event_loop
+from services.common.metrics import FIRST_TOKEN_PHASE_METRIC, FIRST_TOKEN_PHASES
 
 
 async def _tokenize(address: str) -> list[list[int]]:
@@ -91,10 +92,6 @@ def _cpu_sampler(pids: dict[str, int | None]):
     return sample
 
 
-PHASES = ("tokenize", "queue", "engine", "detokenize")
-PHASE_METRIC = "sluice_router_first_token_phase_seconds"
-
-
 class FirstTokenPhases:
     """Snapshots of the router's first-token phase histogram (its /metrics) at the counting
     window's edges; `medians_ms()` gives each phase's median inside the window."""
@@ -104,14 +101,14 @@ class FirstTokenPhases:
         self.snapshots: list[dict[str, Buckets]] = []
 
     def snapshot(self) -> None:
-        self.snapshots.append(scrape_histogram(self.url, PHASE_METRIC, "phase"))
+        self.snapshots.append(scrape_histogram(self.url, FIRST_TOKEN_PHASE_METRIC, "phase"))
 
     def medians_ms(self) -> dict[str, float | None]:
         if len(self.snapshots) < 2:
             return {}
         first, last = self.snapshots[0], self.snapshots[-1]
         medians: dict[str, float | None] = {}
-        for phase in PHASES:
+        for phase in FIRST_TOKEN_PHASES:
             median = window_quantile(first.get(phase, []), last.get(phase, []), 0.5)
             medians[phase] = None if median is None else median * 1e3
         return medians

@@ -259,9 +259,8 @@ async def engine_run(
         for task in tasks:
             task.cancel()
         call.cancel()  # the engine aborts the session's requests and frees their blocks
-        outcomes = await asyncio.gather(*session, return_exceptions=True)
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for outcome in outcomes:  # a broken session must fail the run, not report zero tokens
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    for outcome in outcomes[: len(session)]:  # a broken session must fail the run, not zero tokens
         if isinstance(outcome, Exception):
             raise RuntimeError(f"the engine session failed during the run: {outcome!r}")
     return result

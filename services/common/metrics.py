@@ -133,8 +133,10 @@ ROUTER_TIME_TO_FIRST_TOKEN = Histogram(
     "From the request's arrival at the router to its first streamed token.",
     buckets=_LATENCY_BUCKETS,
 )
+FIRST_TOKEN_PHASE_METRIC = "sluice_router_first_token_phase_seconds"
+FIRST_TOKEN_PHASES = ("tokenize", "queue", "engine", "detokenize")  # its `phase` label
 ROUTER_FIRST_TOKEN_PHASE = Histogram(
-    "sluice_router_first_token_phase_seconds",
+    FIRST_TOKEN_PHASE_METRIC,
     "Where time to first token went, by phase: tokenize (arrival to prompt ids; text and chat "
     "requests only), queue (to placement on an engine), engine (to the engine step with the "
     "first token), detokenize (to the first text, ready to stream).",

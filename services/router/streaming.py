@@ -160,7 +160,7 @@ class OutputStreamer:
             else:
                 request.push(piece)
         if self._pacing is not None:
-            self._pacing.observe(tokens, time.monotonic())
+            self._pacing.observe(tokens, now)
 
     def forget_pending(self) -> None:
         """The detokenize session dropped: its unanswered steps will never come back."""

@@ -120,10 +120,16 @@ class TokenizerClient:
         self._tokenize_outbox: _Outbox | None = None
         self._tokenize_waiting: dict[int, list[tuple]] = {}
         self._tokenize_sequence = 0
-        self.tokenize_session_supported = False  # what the tokenizer's Info says
         self.ready = False
         self.ready_changed: Callable[[], None] | None = None
         self.info: tokenizer_pb2.TokenizerInfo | None = None
+
+    @property
+    def tokenize_session_supported(self) -> bool:
+        """Whether the tokenizer's Info offers TokenizeSession. Asked, not tried: opening a
+        stream the tokenizer lacks races the first writes against its UNIMPLEMENTED answer,
+        and a write that loses turns the call's status into INTERNAL."""
+        return bool(self.info and self.info.tokenize_session)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="detokenize")
@@ -245,9 +251,6 @@ class TokenizerClient:
         tasks = [asyncio.ensure_future(self._detokenize_outbox.write_to(detokenize))]
         readers = [asyncio.ensure_future(self._read(detokenize))]
         tokenize = None
-        # Asked, not tried: opening a stream the tokenizer lacks races the first writes against
-        # its UNIMPLEMENTED answer, and a write that loses turns the call's status into INTERNAL.
-        self.tokenize_session_supported = bool(self.info and self.info.tokenize_session)
         if self.tokenize_session_supported:
             tokenize = self._stub.TokenizeSession()
             self._tokenize_outbox = _Outbox(collect=self._flush_tokenize)

@@ -17,6 +17,9 @@ stack (gRPC hops, detokenization, per-request streaming), not the model. It
    under the load (median per phase: tokenize, queue, engine, detokenize; from the router's
    `sluice_router_first_token_phase_seconds` histogram over the same window).
 
+`--cpus 0,1` runs the bench and every process it starts on those CPUs only (as `taskset -c`),
+so a bigger machine can show the same stack on 2 cores against more.
+
     python -m loadtest.stack_bench --model dummy:tiny --concurrency 64 --duration 10
 """
 
@@ -222,6 +225,7 @@ async def run(args: argparse.Namespace) -> dict:
         "duration_s": args.duration,
         "warmup_s": args.warmup,
         "cpu_count": os.cpu_count(),
+        "cpus": sorted(os.sched_getaffinity(0)),
         "load_average_before": load_average,
     }
     for name, result in results.items():
@@ -254,7 +258,7 @@ def _print(report: dict) -> None:
         f"model {report['model']}, {report['concurrency']} streams, max_tokens "
         f"{report['max_tokens']}, stream interval {report['stream_interval']}, "
         f"{report['duration_s']} s counted after {report['warmup_s']} s warm-up; "
-        f"load average before {report['load_average_before'][0]:.2f}"
+        f"{len(report['cpus'])} CPUs; load average before {report['load_average_before'][0]:.2f}"
     )
     for key, label in (("engine_alone", "engine alone"), ("router", "router")):
         if key not in report:
@@ -296,6 +300,21 @@ def _print(report: dict) -> None:
             f"{idle['engine_alone']:.2f} ms, router {idle['router']:.2f} ms, added "
             f"{report['added_ttft_median_ms_idle']:.2f} ms"
         )
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPU numbers as taskset writes them: '0,1', '0-3', '0-3,8'."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            low, high = int(first), int(last or first)
+            if low < 0 or high < low:
+                raise ValueError
+            cpus.update(range(low, high + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list (e.g. 0,1 or 0-3): {text!r}") from None
+    return cpus
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -351,15 +370,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="skip the latency probe (loadtest/stack_bench_probe.py) next to each load",
     )
+    parser.add_argument(
+        "--cpus",
+        type=cpu_list,
+        help="run on these CPUs only, e.g. '0,1' or '0-3' (this process and every one it "
+        "starts; default: all this process may use)",
+    )
     parser.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
     if args.router and not (args.engine and args.tokenizer):
         parser.error("--router needs --engine and --tokenizer")
     if args.concurrency < 1 or args.max_tokens < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("concurrency, max-tokens and duration must be positive, warmup >= 0")
+    allowed = os.sched_getaffinity(0)
+    if args.cpus:  # before anything starts: the stack's processes and the probe inherit it
+        try:
+            os.sched_setaffinity(0, args.cpus)
+        except OSError as exc:
+            parser.error(f"--cpus: cannot run on CPUs {sorted(args.cpus)}: {exc.strerror}")
     # As the services do (GIL hand-offs from gRPC's poller thread); the same for both sides.
     sys.setswitchinterval(0.0005)
-    report = event_loop.run(run(args))
+    try:
+        report = event_loop.run(run(args))
+    finally:
+        os.sched_setaffinity(0, allowed)  # a caller in this process (a test) keeps its CPUs
     _print(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

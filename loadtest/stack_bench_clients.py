@@ -258,8 +258,10 @@ async def engine_run(
         await _measure(window, result, cpu, probe)
         for task in tasks:
             task.cancel()
-        call.cancel()  # the engine aborts the session's requests and frees their blocks
+        # The tasks end first: a write still in flight when the call is cancelled fails with
+        # INTERNAL ("Failed execute_batch"), which would read as a broken session below.
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        call.cancel()  # the engine aborts the session's requests and frees their blocks
     for outcome in outcomes[: len(session)]:  # a broken session must fail the run, not zero tokens
         if isinstance(outcome, Exception):
             raise RuntimeError(f"the engine session failed during the run: {outcome!r}")

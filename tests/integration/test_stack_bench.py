@@ -6,8 +6,10 @@ Runs `loadtest.stack_bench` against a stack whose engine is the model-free synth
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 
 import pytest
 
@@ -24,15 +26,28 @@ def test_staggered_first_requests_spread_over_the_whole_length() -> None:
     assert LoadShape(64, 1, 1.0, 0.0).first_max_tokens(0) == 1  # never below one token
 
 
+def test_cpu_lists_read_as_taskset_writes_them() -> None:
+    assert stack_bench.cpu_list("0,1") == {0, 1}
+    assert stack_bench.cpu_list("0-3,8") == {0, 1, 2, 3, 8}
+    for bad in ("", "a", "3-1", "-1", "0,,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            stack_bench.cpu_list(bad)
+
+
 def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys) -> None:
     report_path = tmp_path / "report.json"
+    allowed = os.sched_getaffinity(0)
+    cpus = sorted(allowed)[:2]
     argv = [
         "--synthetic-step-ms", "2", "--concurrency", "8", "--max-tokens", "16",
         "--duration", "1.5", "--warmup", "0.3", "--idle-samples", "3",
-        "--stream-interval", "2", "--json", str(report_path),
+        "--stream-interval", "2", "--cpus", ",".join(map(str, cpus)),
+        "--json", str(report_path),
     ]  # fmt: skip
     assert stack_bench.main(argv) == 0
+    assert os.sched_getaffinity(0) == allowed  # given back to this process
     report = json.loads(report_path.read_text())
+    assert report["cpus"] == cpus
     engine, router = report["engine_alone"], report["router"]
     for side in (engine, router):
         assert side["tokens"] > 0 and side["requests"] > 0 and side["ttft_samples"] > 0

@@ -141,7 +141,8 @@ def _prober(target: str, address: str, prompt_ids: list[list[int]]):
 
 
 def _start_stack(args: argparse.Namespace):
-    from services.launcher import Stack, StackConfig, free_port
+    from services.common.ports import free_port
+    from services.launcher import Stack, StackConfig
 
     metrics_port = free_port()
     args.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"

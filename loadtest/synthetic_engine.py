@@ -98,7 +98,8 @@ async def serve(port: int, step_s: float) -> None:
 
 def synthetic_engine_starter(step_ms: float) -> Callable:
     """A `Stack(engine_starter=...)` hook that starts one synthetic engine process."""
-    from services.launcher import ChildProcess, free_port
+    from services.common.ports import free_port
+    from services.launcher import ChildProcess
 
     def start(config, model) -> list:
         port = free_port(config.host)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.ports import free_port
 from services.common.processes import die_with_parent
 from services.common.redis_server import LocalRedisServer, redis_for_stack
 
@@ -116,13 +116,6 @@ class ModelSpec:
 # (stack config, model) -> started engine children, each serving the Engine service.
 # Replaceable: issue 4 starts engines as Ray actors instead of processes.
 EngineStarter = Callable[[StackConfig, ModelSpec], list[ChildProcess]]
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def spawn_service(

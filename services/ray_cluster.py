@@ -24,7 +24,7 @@ from typing import Any
 
 from services.common.config import field
 from services.common.errors import InvalidArgumentError, UnavailableError
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.common.redis_store import StoreConfig
 from services.engine.worker import EngineWorker, EngineWorkerSettings
 from services.engine.worker_config import WorkerConfig

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.errors import FailedPreconditionError, UnavailableError
+from services.common.ports import free_port
 from services.common.processes import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,6 @@ def find_redis_server() -> str | None:
         if Path(candidate).is_file():
             return candidate
     return None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.errors import InvalidArgumentError, SluiceError, UnavailableError
-from services.common.redis_server import free_port
+from services.common.ports import free_port
 from services.common.redis_store import StoreConfig, open_store
 from services.engine.registration import EngineRecord, EngineRegistration
 from services.engine.worker_config import WorkerConfig

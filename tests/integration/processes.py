@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.launcher import free_port
+from services.common.ports import free_port
 
 TINY_UP_ARGS = ("--model", "dummy:tiny", "--engines", "2", "--kv-cache-bytes", str(8 * 1024**2))
 

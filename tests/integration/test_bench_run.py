@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import pytest
 
 from loadtest.cli import main
 from loadtest.grpc_client import served_model
+from services.common.ports import free_port
 
 
 def _bench(router_address: str, out: Path, *extra: str) -> dict:
@@ -90,17 +90,11 @@ def test_cancelled_streams_are_recorded_and_the_stack_keeps_serving(
     assert [r["worker"] for r in after["requests"]] == [0, 1, 0, 1]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_router_and_engine_metrics_are_scraped_and_plotted(
     stack_factory: Callable[..., Any], tmp_path: Path
 ) -> None:
-    router_port, engine_port = _free_port(), _free_port()
+    router_port, engine_port = free_port(), free_port()
     stack = stack_factory(
         router_args=("--metrics-port", str(router_port)),
         engine_args=(

@@ -261,10 +261,19 @@ async def engine_run(
         # The tasks end first: a write still in flight when the call is cancelled fails with
         # INTERNAL ("Failed execute_batch"), which would read as a broken session below.
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        # A broken session must fail the run, not report zero tokens. Why the call ended (its
+        # status) says more than the task that noticed first (a write after the end fails with
+        # INTERNAL "Failed execute_batch" whatever the cause).
+        failures = [
+            f"{name}: {outcome!r}"
+            for name, outcome in zip(("write", "read"), outcomes, strict=False)
+            if isinstance(outcome, Exception)
+        ]
+        if failures and call.done():
+            failures.insert(0, f"call ended {await call.code()}: {await call.details()!r}")
         call.cancel()  # the engine aborts the session's requests and frees their blocks
-    for outcome in outcomes[: len(session)]:  # a broken session must fail the run, not zero tokens
-        if isinstance(outcome, Exception):
-            raise RuntimeError(f"the engine session failed during the run: {outcome!r}")
+    if failures:
+        raise RuntimeError("the engine session failed during the run: " + "; ".join(failures))
     return result
 
 

@@ -1,4 +1,4 @@
-"""OutputStreamer: one detokenize message per engine step, pieces back per request, first tokens
+"""OutputStreamer: detokenize messages per engine step, pieces back per request, first tokens
 first."""
 
 from __future__ import annotations
@@ -37,31 +37,83 @@ class _Releaser:
         pass
 
 
-def test_one_message_per_step_and_first_tokens_are_pushed_first() -> None:
+def _step(*request_ids: str) -> engine_pb2.EngineStep:
+    step = engine_pb2.EngineStep()
+    for rid in request_ids:
+        step.updates.add(request_id=rid, token_ids=[10])
+    return step
+
+
+def _answer(message: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
+    """What the tokenizer would say: each update's request id upper-cased as its text."""
+    response = tokenizer_pb2.DetokenizeResponse(sequence_number=message.sequence_number)
+    for update in message.updates:
+        response.deltas.add(request_id=update.request_id, text=update.request_id.upper())
+    return response
+
+
+def test_first_tokens_go_ahead_in_a_message_of_their_own_and_are_pushed_first() -> None:
     running = {
         rid: RouterRequest(rid, "", [1, 2], SamplingParams(), detokenizer_open=True)
-        for rid in ("a", "b", "c")
+        for rid in ("a", "b", "c", "d")
     }
-    running["a"].push(OutputPiece(token_ids=[7]))  # a and c already streamed; b is new
+    running["a"].push(OutputPiece(token_ids=[7]))  # a and c already streamed; b and d are new
     running["c"].push(OutputPiece(token_ids=[7]))
     tokenizer = _Tokenizer()
     streamer = OutputStreamer(running, tokenizer, _Releaser())
-    step = engine_pb2.EngineStep()
-    for rid in ("a", "b", "c"):
-        step.updates.add(request_id=rid, token_ids=[10])
-    streamer.on_step("engine", step)
-    (message,) = tokenizer.sent
-    assert [u.request_id for u in message.updates] == ["a", "b", "c"]
+    streamer.on_step("engine", _step("a", "b", "c", "d"))
+    first, rest = tokenizer.sent  # sent in this order, so the tokenizer answers it first
+    assert [u.request_id for u in first.updates] == ["b", "d"]
+    assert [u.request_id for u in rest.updates] == ["a", "c"]
+    assert first.sequence_number != rest.sequence_number
     order: list[str] = []
     for rid, request in running.items():
         request._wake = lambda rid=rid: order.append(rid)  # records who is woken, in order
-    response = tokenizer_pb2.DetokenizeResponse(sequence_number=message.sequence_number)
-    for rid in ("a", "b", "c"):
-        response.deltas.add(request_id=rid, text=rid.upper())
-    streamer.on_detokenized(response)
-    assert order == ["b", "a", "c"]
+    streamer.on_detokenized(_answer(first))
+    assert order == ["b", "d"]
+    streamer.on_detokenized(_answer(rest))
+    assert order == ["b", "d", "a", "c"]
     assert running["b"]._pending.text == "B"
     assert (running["a"]._pending.text, running["a"]._pending.token_ids) == ("A", [7, 10])
+
+
+def test_a_step_of_one_kind_is_one_message() -> None:
+    running = {
+        rid: RouterRequest(rid, "", [1], SamplingParams(), detokenizer_open=True)
+        for rid in ("a", "b")
+    }
+    tokenizer = _Tokenizer()
+    streamer = OutputStreamer(running, tokenizer, _Releaser())
+    streamer.on_step("engine", _step("a", "b"))  # both new
+    (message,) = tokenizer.sent
+    streamer.on_detokenized(_answer(message))
+    streamer.on_step("engine", _step("a", "b"))  # both streaming now
+    assert len(tokenizer.sent) == 2
+    assert [u.request_id for u in tokenizer.sent[1].updates] == ["a", "b"]
+
+
+def test_with_answers_outstanding_a_step_is_one_message() -> None:
+    """The tokenizer is behind (the last step's messages are unanswered): the next step goes as
+    one message, first tokens still pushed first; per request the text stays in order."""
+    running = {
+        rid: RouterRequest(rid, "", [1], SamplingParams(), detokenizer_open=True)
+        for rid in ("old", "new")
+    }
+    running["old"].push(OutputPiece(token_ids=[7]))
+    tokenizer = _Tokenizer()
+    streamer = OutputStreamer(running, tokenizer, _Releaser())
+    streamer.on_step("engine", _step("old", "new"))
+    streamer.on_step("engine", _step("old", "new"))  # "new" still has no text
+    ids = [[u.request_id for u in m.updates] for m in tokenizer.sent]
+    assert ids == [["new"], ["old"], ["old", "new"]]
+    order: list[str] = []
+    for rid, request in running.items():
+        request._wake = lambda rid=rid: order.append(rid)
+    for message in tokenizer.sent:
+        streamer.on_detokenized(_answer(message))
+    assert order == ["new", "old", "new", "old"]
+    assert running["new"]._pending.text == "NEWNEW"
+    assert running["new"].completion_tokens == 2
 
 
 def _phase_counts() -> dict[str, float]:
@@ -85,16 +137,8 @@ def test_first_text_records_the_phases_of_time_to_first_token_once() -> None:
     streamer = OutputStreamer(running, tokenizer, _Releaser())
     before = _phase_counts()
     for _ in range(2):  # the second step is no first token: nothing more is recorded
-        step = engine_pb2.EngineStep()
-        for rid in running:
-            step.updates.add(request_id=rid, token_ids=[10])
-        streamer.on_step("engine", step)
-        response = tokenizer_pb2.DetokenizeResponse(
-            sequence_number=tokenizer.sent[-1].sequence_number
-        )
-        for rid in running:
-            response.deltas.add(request_id=rid, text="x")
-        streamer.on_detokenized(response)
+        streamer.on_step("engine", _step(*running))
+        streamer.on_detokenized(_answer(tokenizer.sent[-1]))
     after = _phase_counts()
     added = {phase: after[phase] - before[phase] for phase in after}
     assert added == {"tokenize": 1, "queue": 2, "engine": 2, "detokenize": 2}

@@ -18,7 +18,9 @@ stack (gRPC hops, detokenization, per-request streaming), not the model. It
    `sluice_router_first_token_phase_seconds` histogram over the same window).
 
 `--cpus 0,1` runs the bench and every process it starts on those CPUs only (as `taskset -c`),
-so a bigger machine can show the same stack on 2 cores against more.
+so a bigger machine can show the same stack on 2 cores against more. `--client-cpus 2,3` then
+moves the load generator and the probe off them once the stack runs, as clients on other
+machines would be.
 
     python -m loadtest.stack_bench --model dummy:tiny --concurrency 64 --duration 10
 """
@@ -167,6 +169,7 @@ def _start_stack(args: argparse.Namespace):
 
 async def run(args: argparse.Namespace) -> dict:
     load_average = os.getloadavg()  # before anything of ours starts
+    stack_cpus = sorted(os.sched_getaffinity(0))  # what a started stack inherits
     stack = None
     if args.router:
         router, engine, tokenizer = args.router, args.engine, args.tokenizer
@@ -176,6 +179,8 @@ async def run(args: argparse.Namespace) -> dict:
             pids["router"] = args.router_pid
     else:
         stack = _start_stack(args).start()
+        if args.client_cpus:
+            _move_this_process(args.client_cpus)
         router, tokenizer = stack.router_address, stack.tokenizer_address
         engine = stack.engine_addresses[0]
         pids = {
@@ -227,7 +232,8 @@ async def run(args: argparse.Namespace) -> dict:
         "duration_s": args.duration,
         "warmup_s": args.warmup,
         "cpu_count": os.cpu_count(),
-        "cpus": sorted(os.sched_getaffinity(0)),
+        "cpus": stack_cpus,
+        "client_cpus": sorted(args.client_cpus) if args.client_cpus else None,
         "load_average_before": load_average,
     }
     for name, result in results.items():
@@ -260,7 +266,9 @@ def _print(report: dict) -> None:
         f"model {report['model']}, {report['concurrency']} streams, max_tokens "
         f"{report['max_tokens']}, stream interval {report['stream_interval']}, "
         f"{report['duration_s']} s counted after {report['warmup_s']} s warm-up; "
-        f"{len(report['cpus'])} CPUs; load average before {report['load_average_before'][0]:.2f}"
+        f"stack on {len(report['cpus'])} CPUs"
+        + (f", clients on {len(report['client_cpus'])}" if report.get("client_cpus") else "")
+        + f"; load average before {report['load_average_before'][0]:.2f}"
     )
     for key, label in (("engine_alone", "engine alone"), ("router", "router")):
         if key not in report:
@@ -302,6 +310,13 @@ def _print(report: dict) -> None:
             f"{idle['engine_alone']:.2f} ms, router {idle['router']:.2f} ms, added "
             f"{report['added_ttft_median_ms_idle']:.2f} ms"
         )
+
+
+def _move_this_process(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus` (and so what it starts from now on)."""
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(thread), cpus)
 
 
 def cpu_list(text: str) -> set[int]:
@@ -378,13 +393,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run on these CPUs only, e.g. '0,1' or '0-3' (this process and every one it "
         "starts; default: all this process may use)",
     )
+    parser.add_argument(
+        "--client-cpus",
+        type=cpu_list,
+        help="once the stack runs, move this bench client and its probe to these CPUs "
+        "(e.g. with --cpus 0,1: '2,3'), so only the stack runs on --cpus",
+    )
     parser.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
+    if args.client_cpus and args.router:
+        parser.error("--client-cpus needs a stack this bench starts (no --router)")
     if args.router and not (args.engine and args.tokenizer):
         parser.error("--router needs --engine and --tokenizer")
     if args.concurrency < 1 or args.max_tokens < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("concurrency, max-tokens and duration must be positive, warmup >= 0")
-    faulthandler.enable()  # a crash of this client (once in ~70 runs) shows where it was
+    if not faulthandler.is_enabled():  # a crash of this client (once in ~70 runs) says where
+        with contextlib.suppress(OSError, ValueError):  # no real stderr (captured in a test)
+            faulthandler.enable()
     allowed = os.sched_getaffinity(0)
     if args.cpus:  # before anything starts: the stack's processes and the probe inherit it
         try:
@@ -396,7 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = event_loop.run(run(args))
     finally:
-        os.sched_setaffinity(0, allowed)  # a caller in this process (a test) keeps its CPUs
+        if args.cpus or args.client_cpus:  # a caller in this process (a test) keeps its CPUs
+            _move_this_process(allowed)
     _print(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

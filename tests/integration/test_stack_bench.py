@@ -42,12 +42,12 @@ def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys) -> None:
         "--synthetic-step-ms", "2", "--concurrency", "8", "--max-tokens", "16",
         "--duration", "1.5", "--warmup", "0.3", "--idle-samples", "3",
         "--stream-interval", "2", "--cpus", ",".join(map(str, cpus)),
-        "--json", str(report_path),
+        "--client-cpus", ",".join(map(str, cpus)), "--json", str(report_path),
     ]  # fmt: skip
     assert stack_bench.main(argv) == 0
     assert os.sched_getaffinity(0) == allowed  # given back to this process
     report = json.loads(report_path.read_text())
-    assert report["cpus"] == cpus
+    assert report["cpus"] == report["client_cpus"] == cpus
     engine, router = report["engine_alone"], report["router"]
     for side in (engine, router):
         assert side["tokens"] > 0 and side["requests"] > 0 and side["ttft_samples"] > 0

@@ -20,6 +20,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from services.common.processes import exit_with_parent
+
 SERVICES = {
     "router": "services.router.server",
     "tokenizer": "services.tokenizer.server",
@@ -293,6 +295,7 @@ def dispatch(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point (`sluice`)."""
+    exit_with_parent()  # a service a launcher started (tied_env) ends with that launcher
     raise SystemExit(dispatch(sys.argv[1:] if argv is None else argv))
 
 

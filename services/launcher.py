@@ -36,7 +36,7 @@ from typing import IO, TYPE_CHECKING
 
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.ports import free_port
-from services.common.processes import die_with_parent
+from services.common.processes import tied_env
 from services.common.redis_server import LocalRedisServer, redis_for_stack
 
 if TYPE_CHECKING:  # Ray and the engine worker load only when Ray engines are asked for
@@ -157,11 +157,9 @@ def spawn_service(
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in
         # order (router first, so it can drain).
         start_new_session=True,
-        # Linux ties the death signal to the spawning *thread*: only arm it from the main
-        # thread, or children would die when a worker thread that started them exits.
-        preexec_fn=die_with_parent
-        if threading.current_thread() is threading.main_thread()
-        else None,
+        # SIGTERM when this launcher dies, even by SIGKILL: the child arms it itself at start
+        # (services/common/processes.py says why not from here).
+        env=tied_env(),
     )
     return ChildProcess(name, f"{host}:{port}", process, log_path, log_file)
 

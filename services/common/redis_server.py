@@ -16,6 +16,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from services.common.errors import FailedPreconditionError, UnavailableError
 from services.common.ports import free_port
-from services.common.processes import die_with_parent
+from services.common.processes import tied_env
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +130,13 @@ def start_redis_server(
     )
     config_path.chmod(0o600)
     process = subprocess.Popen(  # noqa: S603 - fixed binary, our own config file
-        [binary, str(config_path)],
+        # Through the wrapper that ties it to this process: it never outlives a launcher
+        # killed with SIGKILL (services/common/processes.py).
+        [sys.executable, "-m", "services.common.processes", binary, str(config_path)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        preexec_fn=die_with_parent,  # never outlive a launcher killed with SIGKILL
+        env=tied_env(),
         start_new_session=True,
     )
     server = LocalRedisServer(

@@ -4,12 +4,12 @@ On Linux a process can ask for a signal when its parent dies (`prctl(PR_SET_PDEA
 covers a launcher killed with SIGKILL: it gets no chance to stop its children. The child has to
 ask for itself. Asking from Popen's `preexec_fn`, between fork and exec, is what this module
 used to do, and it can hang: with a `preexec_fn` Python must fork() (not vfork()), fork() runs
-every library's pthread_atfork handlers, and gRPC's waits for its own threads to go quiet (a
-launcher's health-check channels have threads). One `sluice up` in a test run hung there for
-good. So nothing runs between fork and exec any more (Python then uses vfork, which runs no
-handlers); instead the parent names itself in the child's environment (`tied_env`) and the
-child arms the signal first thing (`exit_with_parent`): `sluice serve ...` in services/cli.py,
-and, for programs that cannot, this module as a wrapper that arms it and then execs them:
+every library's pthread_atfork handlers, and gRPC's can block (a test's stack start hung in it
+for good: fork → grpc's cygrpc → futex). So nothing runs between fork and exec any more
+(Python then uses vfork, which runs no handlers); instead the parent names itself in the
+child's environment (`tied_env`) and the child arms the signal first thing
+(`exit_with_parent`): `sluice serve ...` in services/cli.py, and, for programs that cannot,
+this module as a wrapper that arms it and then execs them:
 
     python -m services.common.processes redis-server /path/to/redis.conf
 

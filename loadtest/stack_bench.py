@@ -169,7 +169,8 @@ def _start_stack(args: argparse.Namespace):
 
 async def run(args: argparse.Namespace) -> dict:
     load_average = os.getloadavg()  # before anything of ours starts
-    stack_cpus = sorted(os.sched_getaffinity(0))  # what a started stack inherits
+    # What a started stack inherits (a running stack's CPUs are not this process's to say).
+    stack_cpus = None if args.router else sorted(os.sched_getaffinity(0))
     stack = None
     if args.router:
         router, engine, tokenizer = args.router, args.engine, args.tokenizer
@@ -266,9 +267,9 @@ def _print(report: dict) -> None:
         f"model {report['model']}, {report['concurrency']} streams, max_tokens "
         f"{report['max_tokens']}, stream interval {report['stream_interval']}, "
         f"{report['duration_s']} s counted after {report['warmup_s']} s warm-up; "
-        f"stack on {len(report['cpus'])} CPUs"
-        + (f", clients on {len(report['client_cpus'])}" if report.get("client_cpus") else "")
-        + f"; load average before {report['load_average_before'][0]:.2f}"
+        + (f"stack on {len(report['cpus'])} CPUs; " if report["cpus"] else "")
+        + (f"clients on {len(report['client_cpus'])} CPUs; " if report["client_cpus"] else "")
+        + f"load average before {report['load_average_before'][0]:.2f}"
     )
     for key, label in (("engine_alone", "engine alone"), ("router", "router")):
         if key not in report:

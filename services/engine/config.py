@@ -13,6 +13,7 @@ from services.common.config import field
 from services.common.errors import InvalidArgumentError
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+FORWARD_THREAD_POLICIES = ("normal", "idle")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,14 @@ class EngineConfig:
         help="on CPU, fused native kernels (compiled once with g++ into the cache directory) "
         "for attention, norms, rotary and SwiGLU; off = PyTorch ops only",
     )
+    forward_thread_policy: str = field(
+        "normal",
+        help="CPU scheduling of the serving engine's forward thread: normal, or idle (Linux "
+        "SCHED_IDLE: it runs only when no other thread wants the core, so on a CPU engine the "
+        "gRPC threads of the machine never queue behind a forward step; lower and steadier "
+        "time to first token under load, less throughput, and a busy neighbour process can "
+        "starve the engine; BENCHMARKS.md has the figures)",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
@@ -82,6 +91,11 @@ class EngineConfig:
                 raise InvalidArgumentError("max_model_len must be >= 2")
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidArgumentError("enable_prefix_caching must be a boolean")
+        if self.forward_thread_policy not in FORWARD_THREAD_POLICIES:
+            raise InvalidArgumentError(
+                f"forward_thread_policy must be one of {FORWARD_THREAD_POLICIES}, "
+                f"got {self.forward_thread_policy!r}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidArgumentError(f"seed must be an integer >= 0, got {self.seed!r}")
 

@@ -9,6 +9,10 @@ callback, called on this thread (the server forwards it with `loop.call_soon_thr
   every `load_report_interval_s` to emit a load-only output, so routers keep seeing capacity.
 - A refused submit (bad parameters, unknown adapter, can never fit) becomes a `Rejection` for
   that request only.
+- `thread_policy="idle"` makes the thread SCHED_IDLE (Linux) before its first step. On CPU the
+  step is CPU work that shares the cores with every gRPC thread on the machine (this engine's
+  stream, the router, the tokenizer); as an idle thread it takes only what they leave, and a
+  thread that wakes for a message preempts it at once instead of waiting out its time slice.
 - An exception inside `step()` fails the requests that were live (ERROR with the message), aborts
   them in the engine so their blocks are freed, and the loop keeps serving.
 """
@@ -16,6 +20,7 @@ callback, called on this thread (the server forwards it with `loop.call_soon_thr
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -104,6 +109,19 @@ class _Inbox:
         return bool(self.commands)
 
 
+def make_current_thread_idle() -> bool:
+    """Give the calling thread Linux's SCHED_IDLE policy; False (logged) where that fails.
+
+    Threads it creates afterwards (e.g. the OpenMP team of its parallel regions) inherit it."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+    except (AttributeError, OSError) as exc:  # not Linux, or forbidden (seccomp)
+        log.warning("forward thread stays a normal thread: SCHED_IDLE failed (%s)", exc)
+        return False
+    log.info("forward thread runs as SCHED_IDLE (it yields the CPU to the gRPC threads)")
+    return True
+
+
 class EngineLoop:
     """Drives an engine on a dedicated thread; thread-safe `submit`/`abort`/`stop`."""
 
@@ -114,8 +132,12 @@ class EngineLoop:
         *,
         load_report_interval_s: float = 1.0,
         name: str = "engine-loop",
+        thread_policy: str = "normal",
     ) -> None:
+        if thread_policy not in ("normal", "idle"):
+            raise ValueError(f"thread_policy must be normal or idle, got {thread_policy!r}")
         self._engine = engine
+        self._thread_policy = thread_policy
         self._on_output = on_output
         self._interval = load_report_interval_s
         self._condition = threading.Condition()
@@ -157,6 +179,8 @@ class EngineLoop:
 
     # ---- the loop thread ------------------------------------------------------------------
     def _run(self) -> None:
+        if self._thread_policy == "idle":
+            make_current_thread_idle()
         last_output = time.monotonic()
         while True:
             with self._condition:

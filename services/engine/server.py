@@ -98,8 +98,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._asyncio_loop = asyncio_loop
         self._info = engine.info
         self._metrics = MetricsRecorder(engine)
+        config = getattr(engine, "config", None)  # tests drive fakes without one
         engine_loop = EngineLoop(
-            engine, self._from_engine_thread, load_report_interval_s=self._interval
+            engine,
+            self._from_engine_thread,
+            load_report_interval_s=self._interval,
+            thread_policy=config.forward_thread_policy if config else "normal",
         )
         self._load = engine_loop.initial_load
         self._loop_thread = engine_loop

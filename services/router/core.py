@@ -125,6 +125,7 @@ class RouterCore:
             metrics.ROUTER_STREAM_INTERVAL.set(pacing.interval)
             metrics.ROUTER_STREAMED_TOKENS_PER_SECOND.set(pacing.tokens_per_s)
             held_before = now - pacing.max_hold_s
+            self.streamer.flush_undecoded(held_before)
             for request in self.running.values():
                 request.flush_held(held_before)
 

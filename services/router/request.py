@@ -12,7 +12,9 @@ After the first response, pieces are held until the router's pacing (pacing.py: 
 `--stream-interval` N, or N adapted to the router's token rate) has N new tokens pending; the
 end, an error, the deadline and the pacing's hold limit (`flush_held`) always flush. So each
 response carries about N tokens: fewer gRPC messages per token for the router and its
-clients, at the price of burstier streaming.
+clients, at the price of burstier streaming. The same holds before the text exists: a step's
+tokens that would only be held wait as ids (`hold_undecoded`) and go to the detokenizer
+together once the response they belong to is due (streaming.py).
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ class RouterRequest:
     engine_done: bool = False  # the engine has finished or dropped it (no abort needed)
     detokenizer_open: bool = False  # the detokenizer holds state for it
     pacing: StreamPacing = ONE_TOKEN_PER_RESPONSE  # tokens a response gathers (the first: 1)
+    # Tokens of engine steps not yet sent to the detokenizer, their logprobs, and when the
+    # oldest came (time.monotonic()): held while the pacing would hold their text anyway
+    # (streaming.py), so each is decoded in a batch of about a response's worth.
+    undecoded_ids: list[int] = field(default_factory=list)
+    undecoded_logprobs: list = field(default_factory=list)
+    undecoded_since: float = 0.0
     _pending: OutputPiece | None = None  # what the next response carries (pieces merged)
     _pending_tokens: int = 0  # tokens in _pending
     _send_at: int = 1  # pending tokens that make the next response due
@@ -140,6 +148,30 @@ class RouterRequest:
                 self._held_since = time.monotonic()
             return  # held back (pacing): no need to wake the reader yet
         self._wake()
+
+    def text_due(self, new_tokens: int) -> bool:
+        """Would `new_tokens` more (after those held undecoded) make the next response due?"""
+        return self._pending_tokens + len(self.undecoded_ids) + new_tokens >= self._send_at
+
+    def hold_undecoded(self, token_ids, logprobs, now: float) -> None:
+        """Keep a step's tokens (and logprobs) for a later detokenize message."""
+        if not self.undecoded_ids:
+            self.undecoded_since = now
+        self.undecoded_ids += token_ids
+        if logprobs:
+            self.undecoded_logprobs += logprobs
+
+    def take_undecoded(self, token_ids=(), logprobs=()) -> tuple[list[int], list]:
+        """The held tokens and logprobs followed by `token_ids`/`logprobs`; nothing stays held."""
+        ids = self.undecoded_ids + list(token_ids)
+        probs = self.undecoded_logprobs + list(logprobs)
+        self.undecoded_ids = []
+        self.undecoded_logprobs = []
+        return ids, probs
+
+    def send_next_at_once(self) -> None:
+        """The next piece pushed goes out at once, whatever the pacing says."""
+        self._send_at = 0
 
     def flush_held(self, held_before: float) -> None:
         """Send held-back pieces now if the oldest arrived before `held_before` (monotonic s)."""

@@ -1,16 +1,25 @@
 """The per-token path: engine steps → detokenize messages → each request's channel.
 
 For every `EngineStep` (all sequences of one engine, one forward step) the streamer sends one
-`DetokenizeRequest` carrying every live request's new token ids (two when the step has first
+`DetokenizeRequest` carrying the live requests' new token ids (two when the step has first
 tokens and others and the tokenizer has answered everything before: then the first tokens go
 ahead in a message of their own), and remembers which tokens, logprobs and finish reasons went
 with each. The matching `DetokenizeResponse` (paired by sequence number) turns into one
 `OutputPiece` per request, pushed into that request's own channel, and reports the step's
-tokens to the router's pacing (pacing.py). A request's first text also records where its time
-to first token went (`sluice_router_first_token_phase_seconds`: tokenize, queue, engine,
-detokenize). A stop-string hit ends the request (FINISH_REASON_STOP_STRING) and aborts it on
-the engine. Resource release (engine slot, engine abort, detokenizer cancel) goes through
-`RequestReleaser`, which the router core implements.
+tokens to the router's pacing (pacing.py).
+
+Tokens whose text the pacing would only hold back (the response they belong to is not due
+yet) stay in their request as ids instead, and go in the message of the step that makes the
+response due, all together: at N tokens per response the tokenizer decodes each request once
+per N steps, not every step, and the router handles 1/N of the deltas. First tokens, the end,
+and requests with stop strings (a stop must be seen at the step that completes it) always go
+at once; the pacing's hold limit sends overdue ones (`flush_undecoded`).
+
+A request's first text also records where its time to first token went
+(`sluice_router_first_token_phase_seconds`: tokenize, queue, engine, detokenize). A stop-string
+hit ends the request (FINISH_REASON_STOP_STRING) and aborts it on the engine. Resource release
+(engine slot, engine abort, detokenizer cancel) goes through `RequestReleaser`, which the
+router core implements.
 """
 
 from __future__ import annotations
@@ -98,28 +107,59 @@ class OutputStreamer:
                 continue
             is_first = not request.completion_tokens
             finish_reason = update.finish_reason
-            item = (first_message if is_first else rest_message).updates.add(
-                request_id=update.request_id,
-                token_ids=update.token_ids,
-                finished=bool(finish_reason),
-            )
-            if not request.detokenizer_open:
-                item.options.CopyFrom(detokenize_options(request))
-                request.detokenizer_open = True
+            token_ids = update.token_ids
+            if not (
+                is_first or finish_reason or request.params.stop or request.text_due(len(token_ids))
+            ):
+                request.hold_undecoded(token_ids, update.logprobs, now)
+                continue
+            ids, logprobs = request.take_undecoded(token_ids, update.logprobs)
+            self._add(first_message if is_first else rest_message, request, ids, finish_reason)
             if finish_reason:
                 request.engine_done = True
                 self._releaser.engine_finished(request)
+            entry = (request, ids, logprobs, finish_reason, update.usage)
             if is_first:
-                first.append((request, update))
+                first.append(entry)
                 request.first_step_at = request.first_step_at or now
             else:
-                rest.append((request, update))
+                rest.append(entry)
         if rest_message is first_message:
             self._send(first_message, first + rest)
         else:
             self._send(first_message, first)
             self._send(rest_message, rest)
         self._releaser.capacity_changed()
+
+    def flush_undecoded(self, held_before: float) -> None:
+        """Send the tokens held as ids since before `held_before` (time.monotonic()) to the
+        detokenizer in one message; their text goes to the client as soon as it is back."""
+        message = tokenizer_pb2.DetokenizeRequest()
+        record: list[tuple] = []
+        for request in self._running.values():
+            if request.undecoded_ids and request.undecoded_since < held_before:
+                if request.finished:
+                    request.take_undecoded()
+                    continue
+                ids, logprobs = request.take_undecoded()
+                self._add(message, request, ids, 0)
+                request.send_next_at_once()
+                record.append((request, ids, logprobs, 0, None))
+        self._send(message, record)
+
+    @staticmethod
+    def _add(
+        message: tokenizer_pb2.DetokenizeRequest,
+        request: RouterRequest,
+        token_ids: list[int],
+        finish_reason: int,
+    ) -> None:
+        item = message.updates.add(
+            request_id=request.request_id, token_ids=token_ids, finished=bool(finish_reason)
+        )
+        if not request.detokenizer_open:
+            item.options.CopyFrom(detokenize_options(request))
+            request.detokenizer_open = True
 
     def _send(self, message: tokenizer_pb2.DetokenizeRequest, record: list[tuple]) -> None:
         """Send one detokenize message; `record` pairs its updates with their requests."""
@@ -135,19 +175,18 @@ class OutputStreamer:
         deltas = {delta.request_id: delta for delta in response.deltas}
         tokens = 0
         now = time.monotonic()
-        for request, update in record:
+        for request, token_ids, logprobs, finish_reason, usage in record:
             if request.finished:
                 continue
             if not request.completion_tokens:
                 observe_first_token_phases(request, now)
             delta = deltas.get(request.request_id)
-            finish_reason = update.finish_reason
             if finish_reason:
                 request.detokenizer_open = False  # told `finished`: it freed the state
-            piece = OutputPiece(token_ids=list(update.token_ids))
-            tokens += len(piece.token_ids)
+            piece = OutputPiece(token_ids=token_ids)
+            tokens += len(token_ids)
             if request.params.logprobs is not None:
-                piece.logprobs = list(update.logprobs)
+                piece.logprobs = logprobs
             if delta is not None:
                 if delta.HasField("error") and delta.error.code:
                     if delta.closed:
@@ -163,10 +202,11 @@ class OutputStreamer:
                     piece.matched_stop = delta.matched_stop
             if finish_reason:
                 piece.finish_reason = finish_reason
-                usage = update.usage
-                piece.prompt_tokens = usage.prompt_tokens or request.num_prompt_tokens
+                piece.prompt_tokens = request.num_prompt_tokens
+                if usage is not None:  # None: a hold-limit flush, not an engine step
+                    piece.prompt_tokens = usage.prompt_tokens or piece.prompt_tokens
+                    piece.cached_prompt_tokens = usage.cached_prompt_tokens
                 piece.completion_tokens = request.completion_tokens + len(piece.token_ids)
-                piece.cached_prompt_tokens = usage.cached_prompt_tokens
                 request.push(piece)
                 # Stop string: the engine may still be generating; free everything now.
                 self._releaser.end_request(request, None)

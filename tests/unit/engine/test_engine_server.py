@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -384,3 +385,67 @@ def test_a_session_whose_stream_cannot_be_read_ends_unavailable_and_frees_its_re
             other.outbox.put_nowait(None)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["normal", "idle"])
+def test_forward_thread_runs_under_the_configured_scheduling_policy(policy: str) -> None:
+    """`--forward-thread-policy idle` makes the forward thread (only it) SCHED_IDLE."""
+    import os
+    import queue
+    import threading
+
+    from services.engine.engine_loop import EngineLoop, LoopOutput
+
+    engine = LLMEngine(replace(ENGINE_CONFIG, forward_thread_policy=policy))
+    seen: queue.Queue[int] = queue.Queue()
+
+    def on_output(output: LoopOutput) -> None:  # runs on the forward thread
+        seen.put(os.sched_getscheduler(threading.get_native_id()))
+
+    loop = EngineLoop(
+        engine,
+        on_output,
+        load_report_interval_s=0.05,
+        thread_policy=engine.config.forward_thread_policy,
+    )
+    loop.start()
+    try:
+        policy_seen = seen.get(timeout=TIMEOUT_S)
+    finally:
+        loop.stop()
+    expected = os.SCHED_IDLE if policy == "idle" else os.SCHED_OTHER
+    assert policy_seen == expected
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is untouched
+
+
+def test_the_servicer_runs_its_forward_thread_under_the_engine_config_policy() -> None:
+    async def check() -> None:
+        servicer = EngineServicer(load_report_interval_s=0.05)
+        engine = LLMEngine(replace(ENGINE_CONFIG, forward_thread_policy="idle"))
+        engine_loop = servicer.attach(engine, asyncio.get_running_loop())
+        try:
+            assert engine_loop._thread_policy == "idle"
+        finally:
+            await asyncio.to_thread(engine_loop.stop)
+
+    asyncio.run(check())
+
+
+def test_forward_thread_policy_is_validated_and_a_refused_idle_keeps_serving(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import os
+
+    from services.common.errors import InvalidArgumentError
+    from services.engine import engine_loop
+
+    with pytest.raises(InvalidArgumentError, match="forward_thread_policy"):
+        EngineConfig(forward_thread_policy="realtime")
+
+    def refuse(*args: object) -> None:
+        raise PermissionError("operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    with caplog.at_level("WARNING"):
+        assert engine_loop.make_current_thread_idle() is False
+    assert "SCHED_IDLE failed" in caplog.text

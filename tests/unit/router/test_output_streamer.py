@@ -1,14 +1,16 @@
 """OutputStreamer: detokenize messages per engine step, pieces back per request, first tokens
-first."""
+first, tokens the pacing would hold kept as ids until their response is due."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from prometheus_client import REGISTRY
 
-from protos.sluice.v1 import engine_pb2, tokenizer_pb2
+from protos.sluice.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from services.engine.sampling_params import SamplingParams
+from services.router.pacing import StreamPacing
 from services.router.request import OutputPiece, RouterRequest
 from services.router.streaming import OutputStreamer
 
@@ -144,3 +146,116 @@ def test_first_text_records_the_phases_of_time_to_first_token_once() -> None:
     assert added == {"tokenize": 1, "queue": 2, "engine": 2, "detokenize": 2}
     assert 0 < text.first_step_at - text.placed_at < 5  # seconds, stamped at the first step
     assert text.completion_tokens == 2
+
+
+def _streaming(interval: int, **params: object) -> RouterRequest:
+    """A request that has had its first response read, paced at `interval` tokens."""
+    request = RouterRequest(
+        "r",
+        "",
+        [1],
+        SamplingParams(**params),
+        detokenizer_open=True,
+        pacing=StreamPacing.fixed(interval),
+    )
+    request.push(OutputPiece(text="first", token_ids=[7]))
+    piece = asyncio.run(request.next_piece())
+    assert piece.token_ids == [7]
+    return request
+
+
+def _token_step(token: int, *, finish_reason: int = 0, logprob: float | None = None):
+    step = engine_pb2.EngineStep()
+    update = step.updates.add(request_id="r", token_ids=[token], finish_reason=finish_reason)
+    if logprob is not None:
+        update.logprobs.add(token_id=token, logprob=logprob)
+    if finish_reason:
+        update.usage.prompt_tokens = 1
+    return step
+
+
+def _numbered(message: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
+    """Each update's text: its token ids written out, so a test sees what was decoded."""
+    response = tokenizer_pb2.DetokenizeResponse(sequence_number=message.sequence_number)
+    for update in message.updates:
+        text = "".join(f"<{t}>" for t in update.token_ids)
+        response.deltas.add(request_id=update.request_id, text=text, closed=update.finished)
+    return response
+
+
+def test_tokens_the_pacing_would_hold_go_to_the_detokenizer_together_when_due() -> None:
+    """At 4 tokens per response the detokenizer sees the request once per 4 steps, with the 4
+    tokens (and their logprobs) in order; the piece it answers is due at once."""
+    request = _streaming(4, logprobs=0)
+    tokenizer = _Tokenizer()
+    streamer = OutputStreamer({"r": request}, tokenizer, _Releaser())
+    for token in (11, 12, 13):
+        streamer.on_step("engine", _token_step(token, logprob=-token / 10))
+    assert tokenizer.sent == []  # held as ids: nothing to decode yet
+    assert request.undecoded_ids == [11, 12, 13]
+    streamer.on_step("engine", _token_step(14, logprob=-1.4))
+    (message,) = tokenizer.sent
+    assert [list(u.token_ids) for u in message.updates] == [[11, 12, 13, 14]]
+    assert request.undecoded_ids == [] and request.undecoded_logprobs == []
+    woken: list[bool] = []
+    request._wake = lambda: woken.append(True)
+    streamer.on_detokenized(_numbered(message))
+    assert woken == [True]
+    piece = request._pending
+    assert (piece.text, piece.token_ids) == ("<11><12><13><14>", [11, 12, 13, 14])
+    assert [round(p.logprob, 2) for p in piece.logprobs] == [-1.1, -1.2, -1.3, -1.4]
+    assert request.completion_tokens == 5
+
+
+def test_requests_with_stop_strings_are_decoded_every_step() -> None:
+    """A stop string must be seen at the step that completes it, so the engine stops there."""
+    request = _streaming(4, stop=["END"])
+    tokenizer = _Tokenizer()
+    streamer = OutputStreamer({"r": request}, tokenizer, _Releaser())
+    for token in (11, 12):
+        streamer.on_step("engine", _token_step(token))
+    assert [[list(u.token_ids) for u in m.updates] for m in tokenizer.sent] == [[[11]], [[12]]]
+    assert request.undecoded_ids == []
+
+
+def test_the_last_step_takes_the_held_tokens_with_it() -> None:
+    request = _streaming(8)
+    tokenizer = _Tokenizer()
+    streamer = OutputStreamer({"r": request}, tokenizer, _Releaser())
+    streamer.on_step("engine", _token_step(11))
+    streamer.on_step("engine", _token_step(12, finish_reason=common_pb2.FINISH_REASON_LENGTH))
+    (message,) = tokenizer.sent
+    (update,) = message.updates
+    assert (list(update.token_ids), update.finished) == ([11, 12], True)
+    streamer.on_detokenized(_numbered(message))
+    piece = request._pending
+    assert (piece.text, piece.token_ids) == ("<11><12>", [11, 12])
+    assert piece.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (piece.prompt_tokens, piece.completion_tokens) == (1, 3)
+    assert request.finished
+
+
+def test_held_tokens_past_the_hold_limit_are_decoded_and_sent_at_once() -> None:
+    old, new = _streaming(8), _streaming(8)
+    new.request_id = "n"
+    gone = _streaming(8)
+    gone.request_id = "g"
+    running = {"r": old, "n": new, "g": gone}
+    tokenizer = _Tokenizer()
+    streamer = OutputStreamer(running, tokenizer, _Releaser())
+    streamer.on_step("engine", _token_step(11))  # old's token, held
+    now = time.monotonic()
+    new.hold_undecoded([21], [], now + 10)  # held later than the limit looks back to
+    gone.hold_undecoded([31], [], now - 1)
+    gone.close()  # ended meanwhile (cancelled): its held ids are dropped, never decoded
+    streamer.flush_undecoded(now + 5)
+    (message,) = tokenizer.sent
+    assert [(u.request_id, list(u.token_ids)) for u in message.updates] == [("r", [11])]
+    assert new.undecoded_ids == [21] and gone.undecoded_ids == []
+    woken: list[bool] = []
+    old._wake = lambda: woken.append(True)
+    streamer.on_detokenized(_numbered(message))
+    assert woken == [True]  # one token, yet due: the hold limit passed
+    assert old._pending.text == "<11>" and not old._pending.finish_reason
+    streamer.flush_undecoded(now + 5)
+    assert len(tokenizer.sent) == 1  # nothing else was overdue

@@ -34,6 +34,7 @@ import faulthandler
 import json
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -129,9 +130,12 @@ def _prober(target: str, address: str, prompt_ids: list[list[int]]):
             sys.executable, "-m", "loadtest.stack_bench_probe", target, address,
             str(window_start + to_wall), str(window_end + to_wall), json.dumps(prompt_ids),
         ]  # fmt: skip
-        process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
-        output, _ = await process.communicate()
-        ttfts = json.loads(output) if process.returncode == 0 else []
+        # subprocess.run in a thread, not the event loop's subprocess support: uvloop's (libuv)
+        # fork()s while this process's gRPC threads run, and that crashed it with SIGSEGV in
+        # create_subprocess_exec (1 run in ~70 on the dev VM, 1 in 10 on the device host).
+        # subprocess uses vfork here, which runs no fork handlers (services/common/processes.py).
+        process = await asyncio.to_thread(subprocess.run, argv, stdout=subprocess.PIPE)
+        ttfts = json.loads(process.stdout) if process.returncode == 0 else []
         if not ttfts:  # said, not silent: the report's probe figures are then missing (nan)
             print(
                 f"warning: the {target} probe got no first token in the window "
@@ -408,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--router needs --engine and --tokenizer")
     if args.concurrency < 1 or args.max_tokens < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("concurrency, max-tokens and duration must be positive, warmup >= 0")
-    if not faulthandler.is_enabled():  # a crash of this client (once in ~70 runs) says where
+    if not faulthandler.is_enabled():  # a crash of this client says where it happened
         with contextlib.suppress(OSError, ValueError):  # no real stderr (captured in a test)
             faulthandler.enable()
     allowed = os.sched_getaffinity(0)

@@ -53,6 +53,8 @@ def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys) -> None:
         assert side["tokens"] > 0 and side["requests"] > 0 and side["ttft_samples"] > 0
         assert side["tokens_per_s"] == pytest.approx(side["tokens"] / side["seconds"])
         assert side["ttft_median_ms"] <= side["ttft_p90_ms"]
+        assert side["probe_samples"] > 0  # the probe process ran and answered in the window
+        assert side["probe_ttft_median_ms"] <= side["probe_ttft_p90_ms"]
     assert engine["tokens_per_response"] == pytest.approx(1.0)  # one token per step each
     assert router["tokens_per_response"] > 1.0  # --stream-interval 2 reached the router
     assert set(router["cpu_us_per_token"]) >= {"router", "tokenizer", "engine", "bench client"}

@@ -1,12 +1,10 @@
 """The per-token path: engine steps → detokenize messages → each request's channel.
 
 For every `EngineStep` (all sequences of one engine, one forward step) the streamer sends one
-`DetokenizeRequest` carrying the live requests' new token ids (two when the step has first
-tokens and others and the tokenizer has answered everything before: then the first tokens go
-ahead in a message of their own), and remembers which tokens, logprobs and finish reasons went
-with each. The matching `DetokenizeResponse` (paired by sequence number) turns into one
-`OutputPiece` per request, pushed into that request's own channel, and reports the step's
-tokens to the router's pacing (pacing.py).
+`DetokenizeRequest` carrying the live requests' new token ids, and remembers which tokens,
+logprobs and finish reasons went with each. The matching `DetokenizeResponse` (paired by
+sequence number) turns into one `OutputPiece` per request, pushed into that request's own
+channel (first tokens first), and reports the step's tokens to the router's pacing (pacing.py).
 
 Tokens whose text the pacing would only hold back (the response they belong to is not due
 yet) stay in their request as ids instead, and go in the message of the step that makes the
@@ -78,21 +76,17 @@ class OutputStreamer:
         self._tokenizer = tokenizer
         self._releaser = releaser
         self._pacing = pacing
-        # sequence number -> [(request, its SequenceUpdate of that step)]
+        # sequence number -> [(request, token ids, logprobs, finish reason, usage or None)]
         self._pending: dict[int, list[tuple]] = {}
 
     def on_step(self, engine_id: str, step: engine_pb2.EngineStep) -> None:
         running = self._running
         now = time.monotonic()
-        # First tokens first. Their pieces are pushed (and their servicers woken) before the
-        # others. And while the tokenizer has answered every earlier message, their updates go
-        # in a detokenize message of their own, ahead of the step's others: the tokenizer
-        # answers messages in order, each once all of it is decoded, so a first token then
-        # waits for its own decode, not for every stream's (~1.5 ms of tokenizer CPU per step
-        # at 64 streams). With answers outstanding the tokenizer is behind, the first message
-        # would wait behind those anyway, and a second message is only more work: one message.
-        first_message = tokenizer_pb2.DetokenizeRequest()
-        rest_message = first_message if self._pending else tokenizer_pb2.DetokenizeRequest()
+        # One message for the step, first tokens or not: with most tokens held as ids the
+        # tokenizer's work per message is small, and a message of their own for first tokens
+        # cost more than it saved (BENCHMARKS.md, session 7). Their pieces are still pushed
+        # (and their servicers woken) before the others.
+        message = tokenizer_pb2.DetokenizeRequest()
         first: list[tuple] = []
         rest: list[tuple] = []
         for update in step.updates:
@@ -114,7 +108,7 @@ class OutputStreamer:
                 request.hold_undecoded(token_ids, update.logprobs, now)
                 continue
             ids, logprobs = request.take_undecoded(token_ids, update.logprobs)
-            self._add(first_message if is_first else rest_message, request, ids, finish_reason)
+            self._add(message, request, ids, finish_reason)
             if finish_reason:
                 request.engine_done = True
                 self._releaser.engine_finished(request)
@@ -124,11 +118,7 @@ class OutputStreamer:
                 request.first_step_at = request.first_step_at or now
             else:
                 rest.append(entry)
-        if rest_message is first_message:
-            self._send(first_message, first + rest)
-        else:
-            self._send(first_message, first)
-            self._send(rest_message, rest)
+        self._send(message, first + rest)
         self._releaser.capacity_changed()
 
     def flush_undecoded(self, held_before: float) -> None:

@@ -54,7 +54,7 @@ def _answer(message: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.Detokeniz
     return response
 
 
-def test_first_tokens_go_ahead_in_a_message_of_their_own_and_are_pushed_first() -> None:
+def test_a_step_is_one_message_and_first_tokens_are_pushed_first() -> None:
     running = {
         rid: RouterRequest(rid, "", [1, 2], SamplingParams(), detokenizer_open=True)
         for rid in ("a", "b", "c", "d")
@@ -64,39 +64,20 @@ def test_first_tokens_go_ahead_in_a_message_of_their_own_and_are_pushed_first() 
     tokenizer = _Tokenizer()
     streamer = OutputStreamer(running, tokenizer, _Releaser())
     streamer.on_step("engine", _step("a", "b", "c", "d"))
-    first, rest = tokenizer.sent  # sent in this order, so the tokenizer answers it first
-    assert [u.request_id for u in first.updates] == ["b", "d"]
-    assert [u.request_id for u in rest.updates] == ["a", "c"]
-    assert first.sequence_number != rest.sequence_number
+    (message,) = tokenizer.sent
+    assert sorted(u.request_id for u in message.updates) == ["a", "b", "c", "d"]
     order: list[str] = []
     for rid, request in running.items():
         request._wake = lambda rid=rid: order.append(rid)  # records who is woken, in order
-    streamer.on_detokenized(_answer(first))
-    assert order == ["b", "d"]
-    streamer.on_detokenized(_answer(rest))
+    streamer.on_detokenized(_answer(message))
     assert order == ["b", "d", "a", "c"]
     assert running["b"]._pending.text == "B"
     assert (running["a"]._pending.text, running["a"]._pending.token_ids) == ("A", [7, 10])
 
 
-def test_a_step_of_one_kind_is_one_message() -> None:
-    running = {
-        rid: RouterRequest(rid, "", [1], SamplingParams(), detokenizer_open=True)
-        for rid in ("a", "b")
-    }
-    tokenizer = _Tokenizer()
-    streamer = OutputStreamer(running, tokenizer, _Releaser())
-    streamer.on_step("engine", _step("a", "b"))  # both new
-    (message,) = tokenizer.sent
-    streamer.on_detokenized(_answer(message))
-    streamer.on_step("engine", _step("a", "b"))  # both streaming now
-    assert len(tokenizer.sent) == 2
-    assert [u.request_id for u in tokenizer.sent[1].updates] == ["a", "b"]
-
-
-def test_with_answers_outstanding_a_step_is_one_message() -> None:
-    """The tokenizer is behind (the last step's messages are unanswered): the next step goes as
-    one message, first tokens still pushed first; per request the text stays in order."""
+def test_with_answers_outstanding_the_text_of_each_request_stays_in_order() -> None:
+    """The tokenizer is behind (the last step's message is unanswered): answers pair with
+    their steps by sequence number, and each request's text arrives in order."""
     running = {
         rid: RouterRequest(rid, "", [1], SamplingParams(), detokenizer_open=True)
         for rid in ("old", "new")
@@ -106,8 +87,8 @@ def test_with_answers_outstanding_a_step_is_one_message() -> None:
     streamer = OutputStreamer(running, tokenizer, _Releaser())
     streamer.on_step("engine", _step("old", "new"))
     streamer.on_step("engine", _step("old", "new"))  # "new" still has no text
-    ids = [[u.request_id for u in m.updates] for m in tokenizer.sent]
-    assert ids == [["new"], ["old"], ["old", "new"]]
+    ids = [sorted(u.request_id for u in m.updates) for m in tokenizer.sent]
+    assert ids == [["new", "old"], ["new", "old"]]
     order: list[str] = []
     for rid, request in running.items():
         request._wake = lambda rid=rid: order.append(rid)

@@ -123,3 +123,40 @@ def test_unicode_sampling_never_splits_characters(client: SluiceClient, hf_token
         assert "".join(deltas) == full
         if "\ufffd" not in full:
             assert all("\ufffd" not in delta for delta in deltas)
+
+
+def test_tokens_held_for_pacing_stream_the_same_text_and_stops_still_cut(
+    stack_factory: Any, client: SluiceClient, hf_tokenizer: Any
+) -> None:
+    """With `--stream-interval 4` the router keeps each request's tokens as ids and has the
+    tokenizer decode them 4 at a time: the text must be what the shared stack (a response per
+    token) streams and what a full decode gives, no character split; a request with stop strings
+    is decoded every step and still ends at the stop."""
+    paced_stack = stack_factory(router_args=("--stream-interval", "4"))
+    cases = [
+        ("日本語と絵文字 🎌🍣:", {"temperature": 0.0}),
+        ("Emoji: 😀😃😄😁😆😅 again: 😀😃😄", {"temperature": 0.0}),
+        ("日本語と絵文字 🎌🍣:", {"temperature": 1.5, "seed": 3}),  # byte-fallback pieces
+    ]
+    with SluiceClient(paced_stack.router_address, timeout=120.0) as paced:
+        for prompt, sampling in cases:
+            kwargs = {"max_tokens": 22, "ignore_eos": True, **sampling}
+            _, reference = stream(client, prompt, **kwargs)
+            responses = list(paced.generate(prompt, **kwargs))
+            completion = Completion()
+            for response in responses:
+                completion.add(response)
+            assert [len(r.token_ids) for r in responses] == [1, 4, 4, 4, 4, 4, 1]
+            assert completion.token_ids == reference.token_ids, prompt
+            full = hf_tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            assert completion.text == reference.text == full, prompt
+            if "\ufffd" not in full:
+                assert all("\ufffd" not in r.text for r in responses)
+            assert (completion.finish_reason, completion.completion_tokens) == ("length", 22)
+
+        chat = [("user", "Write a haiku about the sea.")]
+        _, full_answer = stream(paced, chat=chat, max_tokens=40, temperature=0.0)
+        stop = full_answer.text.split()[3]
+        _, stopped = stream(paced, chat=chat, max_tokens=40, temperature=0.0, stop=[stop])
+        assert stopped.text == full_answer.text[: full_answer.text.index(stop)]
+        assert (stopped.finish_reason, stopped.matched_stop) == ("stop_string", stop)

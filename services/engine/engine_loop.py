@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.errors import SluiceError
+from services.engine.config import FORWARD_THREAD_POLICIES
 from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta, StepOutput
 from services.engine.sampling_params import SamplingParams
 
@@ -134,8 +135,10 @@ class EngineLoop:
         name: str = "engine-loop",
         thread_policy: str = "normal",
     ) -> None:
-        if thread_policy not in ("normal", "idle"):
-            raise ValueError(f"thread_policy must be normal or idle, got {thread_policy!r}")
+        if thread_policy not in FORWARD_THREAD_POLICIES:
+            raise ValueError(
+                f"thread_policy must be one of {FORWARD_THREAD_POLICIES}, got {thread_policy!r}"
+            )
         self._engine = engine
         self._thread_policy = thread_policy
         self._on_output = on_output

@@ -44,6 +44,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from loadtest import hop_report
 from loadtest.scrape import Buckets, scrape_histogram, window_quantile
 from loadtest.stack_bench_clients import (
     PROMPTS,
@@ -245,6 +246,8 @@ async def run(args: argparse.Namespace) -> dict:
         report[name] = result.summary()
     if first_token_phases:
         report["router"]["first_token_phase_median_ms"] = first_token_phases
+    if args.hop_trace is not None and "router" in results:
+        report["router"]["probe_hops"] = hop_report.report(args.hop_trace)
     if len(results) == 2:
         engine_side, router_side = report["engine_alone"], report["router"]
         report["ratio_router_to_engine"] = (
@@ -308,6 +311,9 @@ def _print(report: dict) -> None:
             f"added median TTFT under load: {report['added_ttft_median_ms_under_load']:.1f} ms "
             f"(load streams), {report['added_probe_ttft_median_ms_under_load']:.1f} ms (probe)"
         )
+    hops = report.get("router", {}).get("probe_hops")
+    if hops and hops["requests"]:
+        print("router probe: " + hop_report.format_summary(hops))
     if "idle_ttft_median_ms" in report:
         idle = report["idle_ttft_median_ms"]
         print(
@@ -404,8 +410,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="once the stack runs, move this bench client and its probe to these CPUs "
         "(e.g. with --cpus 0,1: '2,3'), so only the stack runs on --cpus",
     )
+    parser.add_argument(
+        "--hop-trace",
+        type=Path,
+        metavar="DIR",
+        help="trace each router probe's first token hop by hop (services/common/hop_trace.py) "
+        "into this new or empty directory, and report where its time went",
+    )
     parser.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
+    if args.hop_trace is not None:
+        if args.router or not args.probe:
+            parser.error("--hop-trace needs a stack this bench starts and its probe")
+        if args.hop_trace.exists() and any(args.hop_trace.iterdir()):
+            parser.error(f"--hop-trace: {args.hop_trace} is not empty")
+        args.hop_trace.mkdir(parents=True, exist_ok=True)
+        # Read at import by every process the bench starts: the stack and the probes.
+        os.environ["SLUICE_HOP_TRACE_DIR"] = str(args.hop_trace.resolve())
     if args.client_cpus and args.router:
         parser.error("--client-cpus needs a stack this bench starts (no --router)")
     if args.router and not (args.engine and args.tokenizer):

@@ -22,12 +22,16 @@ import grpc
 
 from loadtest.stack_bench_clients import PROMPTS, params
 from protos.sluice.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from services.common import hop_trace
 
 PAUSE_S = 0.02  # between probes: a light extra load, about one request per step or two
 
 
 async def probe_router(address: str, start_at: float, end_at: float) -> list[float]:
     ttfts: list[float] = []
+    # With SLUICE_HOP_TRACE_DIR set, each probe asks the router to trace its hops, and marks
+    # its own send and first token (loadtest/hop_report.py joins them).
+    metadata = ((hop_trace.METADATA_KEY, "1"),) if hop_trace.ENABLED else None
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -37,10 +41,14 @@ async def probe_router(address: str, start_at: float, end_at: float) -> list[flo
                 prompt=PROMPTS[index % len(PROMPTS)], params=params(1)
             )
             index += 1
+            if metadata:
+                hop_trace.mark("client_send", index)
             began = time.perf_counter()
-            async for response in stub.Generate(request):
+            async for response in stub.Generate(request, metadata=metadata):
                 if response.token_ids:
                     ttfts.append(time.perf_counter() - began)
+                    if metadata:
+                        hop_trace.mark("client_first", index)
             await asyncio.sleep(PAUSE_S)
     return ttfts
 

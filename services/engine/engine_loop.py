@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.common import hop_trace
 from services.common.errors import SluiceError
 from services.engine.config import FORWARD_THREAD_POLICIES
 from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta, StepOutput
@@ -212,6 +213,9 @@ class EngineLoop:
             return False
 
     def _turn(self, inbox: _Inbox) -> LoopOutput | None:
+        if hop_trace.ENABLED:
+            submitted = [c.request_id for c in inbox.commands if isinstance(c, Submit)]
+            hop_trace.mark("turn", self._step_index + 1, *submitted)
         rejections = self._apply(inbox)
         deltas: list[SequenceDelta] = []
         step_time_s = 0.0
@@ -233,6 +237,8 @@ class EngineLoop:
                 load = step.load
                 deltas = self._track(step.deltas)
             self._step_index += 1
+            if hop_trace.ENABLED:
+                hop_trace.mark("step_end", self._step_index)
         if load is None:
             load = self._safe_load()
         return LoopOutput(

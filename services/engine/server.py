@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
-from services.common import event_loop, metrics
+from services.common import event_loop, hop_trace, metrics
 from services.common.config import describe
 from services.common.errors import SluiceError, UnavailableError
 from services.common.grpc_server import start_server
@@ -167,6 +167,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if session.input_error:  # the router sees it and opens a new session
                         raise UnavailableError(session.input_error)
                     return
+                if hop_trace.ENABLED:
+                    hop_trace.mark("step_out", message.step_index)
                 yield message
         finally:
             reader.cancel()
@@ -214,6 +216,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 refused.append(_refusal(request_id, exc.code, exc.message))
                 continue
             session.live.add(request_id)
+            if hop_trace.ENABLED:
+                hop_trace.mark("submit", request_id)
             submits.append(
                 Submit(
                     session.internal_id(request_id),

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from protos.sluice.v1 import router_pb2, tokenizer_pb2
-from services.common import metrics
+from services.common import hop_trace, metrics
 from services.common.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -192,6 +192,10 @@ class RouterCore:
         max_model_len = min(e.max_model_len for e in engines)
         vocab_size = min(c.info.vocab_size for c in self.pool.ready_connections() if c.info)
         tokenized_at = 0.0
+        request_id = f"{self._id_prefix}{next(self._ids)}"
+        traced = hop_trace.requested(metadata)
+        if traced:
+            hop_trace.mark("arrive", request_id, f"{arrival:.6f}")
         if message.WhichOneof("input") == "prompt_token_ids":
             prompt_ids = list(message.prompt_token_ids.ids)
             validate_prompt_token_ids(prompt_ids, vocab_size)
@@ -200,8 +204,12 @@ class RouterCore:
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 raise DeadlineExceededError("the deadline passed before tokenizing")
-            prompt_ids = await self.tokenizer.tokenize(item, timeout)
+            prompt_ids = await self.tokenizer.tokenize(
+                item, timeout, trace_id=request_id if traced else None
+            )
             tokenized_at = time.monotonic()
+            if traced:
+                hop_trace.mark("tokenized", request_id)
         params.validate_for_model(len(prompt_ids), max_model_len, vocab_size)
         if self.rate_limiter is not None and caller is not None:
             await self.rate_limiter.acquire(
@@ -209,7 +217,7 @@ class RouterCore:
             )
         self._check_open()
         request = RouterRequest(
-            request_id=f"{self._id_prefix}{next(self._ids)}",
+            request_id=request_id,
             client_request_id=message.request_id,
             prompt_token_ids=prompt_ids,
             params=params,
@@ -219,6 +227,7 @@ class RouterCore:
             arrival=arrival,
             tokenized_at=tokenized_at,
             pacing=self.pacing,
+            traced=traced,
         )
         if request.expired():
             raise DeadlineExceededError("the deadline passed before the request was queued")
@@ -266,7 +275,9 @@ class RouterCore:
             request.holds_engine_slot = True
             request.placed_at = now
             self.running[request.request_id] = request
-            connection.submit(submit_pb(request))
+            if request.traced:
+                hop_trace.mark("placed", request.request_id)
+            connection.submit(submit_pb(request), traced=request.traced)
         self._update_queue_gauges()
         metrics.ROUTER_RUNNING_REQUESTS.set(len(self.running))
 

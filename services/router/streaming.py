@@ -26,7 +26,7 @@ import time
 from typing import Protocol
 
 from protos.sluice.v1 import common_pb2, engine_pb2, tokenizer_pb2
-from services.common import metrics
+from services.common import hop_trace, metrics
 from services.common.errors import SluiceError
 from services.router.convert import detokenize_options
 from services.router.pacing import StreamPacing
@@ -116,6 +116,8 @@ class OutputStreamer:
             if is_first:
                 first.append(entry)
                 request.first_step_at = request.first_step_at or now
+                if request.traced:
+                    hop_trace.mark("step", request.request_id, step.step_index)
             else:
                 rest.append(entry)
         self._send(message, first + rest)
@@ -156,6 +158,10 @@ class OutputStreamer:
         if record:
             message.sequence_number = self._tokenizer.next_sequence_number()
             self._pending[message.sequence_number] = record
+            if hop_trace.ENABLED:
+                for request, *_ in record:
+                    if request.traced and not request.completion_tokens:
+                        hop_trace.mark("detok_sent", request.request_id, message.sequence_number)
             self._tokenizer.send(message)
 
     def on_detokenized(self, response: tokenizer_pb2.DetokenizeResponse) -> None:
@@ -170,6 +176,8 @@ class OutputStreamer:
                 continue
             if not request.completion_tokens:
                 observe_first_token_phases(request, now)
+                if request.traced:
+                    hop_trace.mark("detok_read", request.request_id)
             delta = deltas.get(request.request_id)
             if finish_reason:
                 request.detokenizer_open = False  # told `finished`: it freed the state

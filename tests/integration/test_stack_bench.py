@@ -34,8 +34,10 @@ def test_cpu_lists_read_as_taskset_writes_them() -> None:
             stack_bench.cpu_list(bad)
 
 
-def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys) -> None:
+def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys, monkeypatch) -> None:
     report_path = tmp_path / "report.json"
+    # --hop-trace sets this for the processes the bench starts; the test's own env is restored.
+    monkeypatch.setenv("SLUICE_HOP_TRACE_DIR", "")
     allowed = os.sched_getaffinity(0)
     cpus = sorted(allowed)[:2]
     argv = [
@@ -43,6 +45,7 @@ def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys) -> None:
         "--duration", "1.5", "--warmup", "0.3", "--idle-samples", "3",
         "--stream-interval", "2", "--cpus", ",".join(map(str, cpus)),
         "--client-cpus", ",".join(map(str, cpus)), "--json", str(report_path),
+        "--hop-trace", str(tmp_path / "hops"),
     ]  # fmt: skip
     assert stack_bench.main(argv) == 0
     assert os.sched_getaffinity(0) == allowed  # given back to this process
@@ -66,4 +69,14 @@ def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys) -> None:
     phases = router["first_token_phase_median_ms"]  # from the router's histogram
     assert set(phases) == set(FIRST_TOKEN_PHASES)
     assert all(phases[p] is not None and phases[p] >= 0 for p in ("tokenize", "queue", "engine"))
-    assert "ratio router / engine alone" in capsys.readouterr().out
+    # Every router probe was traced through the router, the tokenizer and back to the probe
+    # (the synthetic engine records no engine hops; tests/unit/engine covers the engine's).
+    hops = router["probe_hops"]
+    assert hops["requests"] == router["probe_samples"]
+    measured = {(h["from"], h["to"]): h for h in hops["hops"]}
+    for hop in (("client_send", "arrive"), ("tokenize_in", "tokenize_out"), ("step", "detok_sent"),
+                ("detok_in", "detok_out"), ("respond", "client_first")):  # fmt: skip
+        assert measured[hop]["n"] == hops["requests"] and measured[hop]["median_ms"] >= 0
+    assert hops["total"]["median_ms"] == pytest.approx(router["probe_ttft_median_ms"], rel=0.5)
+    out = capsys.readouterr().out
+    assert "ratio router / engine alone" in out and "client send -> first token" in out

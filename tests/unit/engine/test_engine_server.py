@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -449,3 +450,33 @@ def test_forward_thread_policy_is_validated_and_a_refused_idle_keeps_serving(
     with caplog.at_level("WARNING"):
         assert engine_loop.make_current_thread_idle() is False
     assert "SCHED_IDLE failed" in caplog.text
+
+
+def test_hop_trace_marks_each_submit_and_the_step_that_takes_it(tmp_path, monkeypatch) -> None:
+    from services.common import hop_trace
+
+    monkeypatch.setattr(hop_trace, "ENABLED", True)
+    monkeypatch.setattr(hop_trace, "_DIR", str(tmp_path))
+    monkeypatch.setattr(hop_trace, "_fd", None)
+
+    async def scenario() -> None:
+        async with engine_server() as (stub, _):
+            session = Session(stub)
+            session.send(submits=[submit("r0", [1, 2, 3], max_tokens=2, ignore_eos=True)])
+            await session.until(lambda: "r0" in session.finished)
+            session.outbox.put_nowait(None)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        if hop_trace._fd is not None:
+            os.close(hop_trace._fd)
+    (log,) = tmp_path.glob("*.log")
+    events = [line.split() for line in log.read_text().splitlines()]
+    times = {}
+    for event in events:
+        times.setdefault((event[0], *event[1:-1]), float(event[-1]))
+    submitted = times[("submit", "r0")]
+    (turn,) = [e for e in events if e[0] == "turn" and any(k.endswith("/r0") for k in e[2:-1])]
+    step = turn[1]
+    assert submitted <= float(turn[-1]) <= times[("step_end", step)] <= times[("step_out", step)]

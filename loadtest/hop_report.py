@@ -8,7 +8,7 @@ p90 in milliseconds:
     python -m loadtest.hop_report /tmp/hops --json F   # and the figures as JSON
 
 Joins: the router's request id links its own events, the engine's submit and the step that
-carried the first token (within that engine's file, by step index); the tokenize and
+carried the first token (within that engine's file, by step index and session); the tokenize and
 detokenize sequence numbers link the tokenizer's; the probe's sends pair with the router's
 arrivals in time order (it sends one request at a time).
 """
@@ -56,11 +56,15 @@ class _Process:
     events: dict[tuple[str, str], list[tuple[float, list[str]]]] = field(
         default_factory=lambda: defaultdict(list)
     )
-    turns: dict[str, tuple[float, str]] = field(default_factory=dict)  # request id -> (t, step)
+    # request id -> (time, step index, session) of the engine turn that took it
+    turns: dict[str, tuple[float, str, str]] = field(default_factory=dict)
 
-    def first(self, event: str, key: str, after: float) -> tuple[float, list[str]] | None:
+    def first(
+        self, event: str, key: str, after: float, *rest: str
+    ) -> tuple[float, list[str]] | None:
+        """The earliest `event` for `key` at or after `after` whose next keys start with `rest`."""
         for item in self.events.get((event, key), ()):
-            if item[0] >= after:
+            if item[0] >= after and tuple(item[1][: len(rest)]) == rest:
                 return item
         return None
 
@@ -76,7 +80,8 @@ def load(directory: Path) -> list[_Process]:
             event, stamp, keys = parts[0], float(parts[-1]), parts[1:-1]
             if event == "turn":  # step index, then the request ids it took (session/id)
                 for internal_id in keys[1:]:
-                    process.turns.setdefault(internal_id.rpartition("/")[2], (stamp, keys[0]))
+                    session, _, request_id = internal_id.rpartition("/")
+                    process.turns.setdefault(request_id, (stamp, keys[0], session))
                 continue
             key = keys[0] if keys else ""
             process.events[(event, key)].append((stamp, keys[1:]))
@@ -96,7 +101,7 @@ def _find(processes: list[_Process], event: str, key: str, after: float):
     return best
 
 
-def _turn_of(process: _Process, request_id: str, after: float) -> tuple[float, str] | None:
+def _turn_of(process: _Process, request_id: str, after: float) -> tuple[float, str, str] | None:
     found = process.turns.get(request_id)
     return found if found is not None and found[0] >= after else None
 
@@ -122,7 +127,7 @@ def rows(processes: list[_Process]) -> list[dict[str, float]]:
         for (event, request_id), items in process.events.items():
             if event != "arrive":
                 continue
-            row = _row(processes, request_id, float(items[0][1][0]))
+            row = _row(processes, request_id, items[0][0])
             if row is None:
                 continue
             index = bisect.bisect_right(send_times, row["arrive"]) - 1
@@ -161,11 +166,12 @@ def _row(processes: list[_Process], request_id: str, arrive: float) -> dict[str,
         engine, (submitted, _) = submit
         turn = _turn_of(engine, request_id, submitted)
         if turn is not None:
-            row["turn"], step_index = turn
+            row["turn"], step_index, session = turn
             end = engine.first("step_end", step_index, turn[0])
             if end is not None:
                 row["step_end"] = end[0]
-                out = engine.first("step_out", step_index, end[0])
+                # Each session (router) gets its own message of the step.
+                out = engine.first("step_out", step_index, end[0], session)
                 if out is not None:
                     row["step_out"] = out[0]
     step = take("step", request_id, arrive)

@@ -168,7 +168,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         raise UnavailableError(session.input_error)
                     return
                 if hop_trace.ENABLED:
-                    hop_trace.mark("step_out", message.step_index)
+                    hop_trace.mark("step_out", message.step_index, session.key)
                 yield message
         finally:
             reader.cancel()

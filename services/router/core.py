@@ -173,6 +173,10 @@ class RouterCore:
         time_remaining: float | None,
     ) -> RouterRequest:
         arrival = time.monotonic()
+        request_id = f"{self._id_prefix}{next(self._ids)}"
+        traced = hop_trace.requested(metadata)
+        if traced:
+            hop_trace.mark("arrive", request_id)
         caller = self.auth.check(metadata)
         self._check_open()
         params = (
@@ -192,10 +196,6 @@ class RouterCore:
         max_model_len = min(e.max_model_len for e in engines)
         vocab_size = min(c.info.vocab_size for c in self.pool.ready_connections() if c.info)
         tokenized_at = 0.0
-        request_id = f"{self._id_prefix}{next(self._ids)}"
-        traced = hop_trace.requested(metadata)
-        if traced:
-            hop_trace.mark("arrive", request_id, f"{arrival:.6f}")
         if message.WhichOneof("input") == "prompt_token_ids":
             prompt_ids = list(message.prompt_token_ids.ids)
             validate_prompt_token_ids(prompt_ids, vocab_size)

@@ -479,4 +479,6 @@ def test_hop_trace_marks_each_submit_and_the_step_that_takes_it(tmp_path, monkey
     submitted = times[("submit", "r0")]
     (turn,) = [e for e in events if e[0] == "turn" and any(k.endswith("/r0") for k in e[2:-1])]
     step = turn[1]
-    assert submitted <= float(turn[-1]) <= times[("step_end", step)] <= times[("step_out", step)]
+    session = next(k for k in turn[2:-1] if k.endswith("/r0")).partition("/")[0]
+    out = times[("step_out", step, session)]  # the step's message to this session
+    assert submitted <= float(turn[-1]) <= times[("step_end", step)] <= out

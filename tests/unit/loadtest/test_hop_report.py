@@ -10,12 +10,13 @@ from loadtest import hop_report
 
 # Two probes (send at 10.000 and 20.000 s), each through router, tokenizer and engine 1. Engine
 # 2 also ran a step with the index of probe 0's step, and ended it first: it must not be joined.
+# Nor must engine 1's message of that step to another session (router), s2, sent first.
 PROBE = """client_send 0 10.000000
 client_first 0 10.020000
 client_send 1 20.000000
 client_first 1 20.030000
 """
-ROUTER = """arrive r1 10.001000 10.001000
+ROUTER = """arrive r1 10.001000
 tokenize_sent r1 4 10.002000
 tokenize_read r1 4 10.004000
 tokenized r1 10.0045
@@ -25,7 +26,7 @@ step r1 7 10.013000
 detok_sent r1 9 10.0135
 detok_read r1 10.016000
 respond r1 10.017000
-arrive r2 20.002000 20.002000
+arrive r2 20.002000
 placed r2 20.003000
 engine_sent r2 20.0035
 step r2 12 20.020000
@@ -43,14 +44,15 @@ detok_out 10 20.022000
 ENGINE_1 = """submit r1 10.006000
 turn 7 s1/r0 s1/r1 10.008000
 step_end 7 10.012000
-step_out 7 10.0125
+step_out 7 s2 10.0121
+step_out 7 s1 10.0125
 submit r2 20.004000
 turn 12 s1/r2 20.006000
 step_end 12 20.018000
-step_out 12 20.019000
+step_out 12 s1 20.019000
 """
 ENGINE_2 = """step_end 7 10.0115
-step_out 7 10.0118
+step_out 7 s1 10.0118
 """
 
 
@@ -83,7 +85,7 @@ def test_rows_join_every_hop_of_each_traced_request(trace_dir) -> None:
             "submit": 10.006,
             "turn": 10.008,
             "step_end": 10.012,  # engine 1's step 7, not engine 2's
-            "step_out": 10.0125,
+            "step_out": 10.0125,  # session s1's message, not s2's
             "step": 10.013,
             "detok_sent": 10.0135,
             "detok_in": 10.014,

@@ -5,7 +5,8 @@ A background thread fetches each URL every `interval_s` and keeps the gauge and 
 depth, running sequences and KV-cache use from these series beside the client-side latency.
 Scrape failures are counted, never fatal: a run is not lost because a metrics port is down.
 `scrape_histogram` and `window_quantile` read one histogram at two moments and give a quantile
-of what was observed in between (the stack benchmark's first-token phases).
+of what was observed in between (the stack benchmark's first-token phases); `scrape_samples`
+reads a few samples of any type (its engine's step and token counters).
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ def scrape_histogram(url: str, name: str, label: str, timeout_s: float = 5.0) ->
                 bucket = (float(sample.labels["le"]), float(sample.value))
                 by_label.setdefault(sample.labels[label], []).append(bucket)
     return {key: sorted(buckets) for key, buckets in by_label.items()}
+
+
+def scrape_samples(url: str, names: set[str], timeout_s: float = 5.0) -> dict[str, float]:
+    """The unlabelled samples named `names`, of any metric type (e.g. a histogram's `_count`)."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(fetch(url, timeout_s)):
+        for sample in family.samples:
+            if sample.name in names and not sample.labels:
+                found[sample.name] = float(sample.value)
+    return found
 
 
 def window_quantile(before: Buckets, after: Buckets, q: float) -> float | None:

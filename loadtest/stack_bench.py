@@ -7,15 +7,21 @@ stack (gRPC hops, detokenization, per-request streaming), not the model. It
    `--synthetic-step-ms` replaces the engine by a model-free one (loadtest/synthetic_engine.py);
 2. runs the same closed loop (loadtest/stack_bench_clients.py: `--concurrency` staggered streams,
    counted over `--duration` seconds after `--warmup`) straight to the engine over one
-   EngineSession (the engine alone), then through the router's public Generate with text prompts;
+   EngineSession (the engine alone), then through the router's public Generate with text prompts.
+   The load generator is a process of its own (loadtest/stack_bench_load.py), by default at the
+   lowest CPU priority (`--client-priority low`: nice 19, in its own session), so that on a small
+   machine it takes only what the stack leaves, as a client on another machine would; the
+   stack and the probe keep normal priority;
 3. reports streamed tokens/s of both and their ratio, tokens per response message, median and p90
    time to first token under that load and idle (one request at a time), the added median TTFT
    (router minus engine alone, both ways; under load also from a separate probe process,
    loadtest/stack_bench_probe.py, which the load generator's own event loop cannot delay), and
-   each process's CPU microseconds per streamed token (router, engine, tokenizer, and this
-   bench client; from /proc through psutil), and where the router's time to first token went
-   under the load (median per phase: tokenize, queue, engine, detokenize; from the router's
-   `sluice_router_first_token_phase_seconds` histogram over the same window).
+   each process's CPU microseconds per streamed token (router, engine, tokenizer, and the
+   load generator as "bench client"; from /proc through psutil), the engine's mean batch in the
+   window (tokens per step, from its /metrics: did the load keep it as full on both sides?), and
+   where the router's time to first token went under the load (median per phase: tokenize,
+   queue, engine, detokenize; from the router's `sluice_router_first_token_phase_seconds`
+   histogram over the same window).
 
 `--cpus 0,1` runs the bench and every process it starts on those CPUs only (as `taskset -c`),
 so a bigger machine can show the same stack on 2 cores against more. `--client-cpus 2,3` then
@@ -38,24 +44,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import grpc
 import psutil
 
 from loadtest import hop_report
-from loadtest.scrape import Buckets, scrape_histogram, window_quantile
+from loadtest.scrape import Buckets, scrape_histogram, scrape_samples, window_quantile
 from loadtest.stack_bench_clients import (
     PROMPTS,
     LoadShape,
     RunResult,
     engine_idle_ttft,
-    engine_run,
     percentile,
     router_idle_ttft,
-    router_run,
 )
+from loadtest.stack_bench_load import PRIORITIES
 from protos.sluice.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import event_loop
 from services.common.metrics import FIRST_TOKEN_PHASE_METRIC, FIRST_TOKEN_PHASES
@@ -122,8 +128,94 @@ class FirstTokenPhases:
         return medians
 
 
+ENGINE_STEPS_METRIC = "sluice_engine_step_time_seconds_count"
+ENGINE_TOKENS_METRIC = "sluice_engine_generated_tokens_total"
+
+
+class EngineBatch:
+    """The engine's step and token counters (its /metrics) at the window's edges: its mean
+    batch in the window, which says whether the load kept the engine as busy on both sides."""
+
+    def __init__(self, metrics_url: str) -> None:
+        self.url = metrics_url
+        self.snapshots: list[dict[str, float]] = []
+
+    def snapshot(self) -> None:
+        self.snapshots.append(scrape_samples(self.url, {ENGINE_STEPS_METRIC, ENGINE_TOKENS_METRIC}))
+
+    def tokens_per_step(self) -> float | None:
+        first, last = self.snapshots[-2:] if len(self.snapshots) >= 2 else ({}, {})
+        steps = last.get(ENGINE_STEPS_METRIC, 0.0) - first.get(ENGINE_STEPS_METRIC, 0.0)
+        tokens = last.get(ENGINE_TOKENS_METRIC, 0.0) - first.get(ENGINE_TOKENS_METRIC, 0.0)
+        return tokens / steps if steps > 0 else None
+
+
+# Started with the counting window's (start, end) in time.monotonic() seconds; returns the
+# probe's times to first token (loadtest/stack_bench_probe.py), seconds.
+Probe = Callable[[float, float], Awaitable[list[float]]]
+
+
+async def _run_load(
+    side: str,
+    address: str,
+    args: argparse.Namespace,
+    pids: dict[str, int | None],
+    prompt_ids: list[list[int]],
+    probe: Probe | None,
+    at_edge: Callable[[], None],
+) -> tuple[RunResult, dict]:
+    """One side's load in its own process (loadtest/stack_bench_load.py, at --client-priority):
+    CPU of every process sampled here at the window's edges, the probe started inside it."""
+    shape = LoadShape(args.concurrency, args.max_tokens, args.duration, args.warmup)
+    argv = [
+        sys.executable, "-m", "loadtest.stack_bench_load", side, address,
+        json.dumps(asdict(shape)), args.client_priority,
+    ]  # fmt: skip
+    if side == "engine":
+        argv.append(json.dumps(prompt_ids))
+    # In a thread, as the probe (see _prober); in a session (and autogroup) of its own.
+    process = await asyncio.to_thread(
+        subprocess.Popen, argv, stdout=subprocess.PIPE, start_new_session=True
+    )
+    probing = None
+    try:
+        line = await asyncio.to_thread(process.stdout.readline)
+        if not line:
+            raise RuntimeError(
+                f"the {side} load generator ended before its window (exit status "
+                f"{await asyncio.to_thread(process.wait)}; its error is above)"
+            )
+        head = json.loads(line)
+        start, end = head["window"]
+        cpu = _cpu_sampler({**pids, "bench client": process.pid})
+        probing = asyncio.ensure_future(probe(start, end)) if probe else None
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
+        before = cpu()
+        at_edge()
+        await asyncio.sleep(max(0.0, end - time.monotonic()))
+        after = cpu()
+        at_edge()
+        rest, _ = await asyncio.to_thread(process.communicate)
+        if process.returncode != 0:
+            raise RuntimeError(
+                f"the {side} load generator failed (exit status {process.returncode}; its "
+                "error is above)"
+            )
+        result = RunResult(**json.loads(rest.splitlines()[-1]))
+        result.cpu_seconds = {name: after[name] - before[name] for name in after if name in before}
+        if probing is not None:
+            result.probe_ttfts_s = await probing
+    finally:
+        if process.poll() is None:  # this run failed or was interrupted: the load goes too
+            process.kill()
+            await asyncio.to_thread(process.wait)
+        if probing is not None and not probing.done():
+            probing.cancel()
+    return result, head["priority"]
+
+
 def _prober(target: str, address: str, prompt_ids: list[list[int]]):
-    """A stack_bench_clients.Probe: loadtest/stack_bench_probe.py running next to the load."""
+    """A Probe: loadtest/stack_bench_probe.py running next to the load (normal priority)."""
 
     async def probe(window_start: float, window_end: float) -> list[float]:
         to_wall = time.time() - time.monotonic()
@@ -152,17 +244,21 @@ def _start_stack(args: argparse.Namespace):
     from services.common.ports import free_port
     from services.launcher import Stack, StackConfig
 
-    metrics_port = free_port()
+    metrics_port, engine_metrics_port = free_port(), free_port()
     args.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     router_args = ["--log-level", "WARNING", "--metrics-port", str(metrics_port)]
     if args.stream_interval is not None:
         router_args += ["--stream-interval", str(args.stream_interval)]
     router_args += shlex.split(args.router_args)
+    engine_args: tuple[str, ...] = ("--dtype", args.engine_dtype) if args.engine_dtype else ()
+    if not args.synthetic_step_ms:  # the synthetic engine has no /metrics
+        engine_args += ("--metrics-port", str(engine_metrics_port))
+        args.engine_metrics = f"http://127.0.0.1:{engine_metrics_port}/metrics"
     config = StackConfig(
         model=args.model,
         port=0,
         router_args=tuple(router_args),
-        engine_args=("--dtype", args.engine_dtype) if args.engine_dtype else (),
+        engine_args=engine_args,
         log_dir=Path(tempfile.mkdtemp(prefix="stack-bench-")),
     )
     if args.synthetic_step_ms:
@@ -194,31 +290,33 @@ async def run(args: argparse.Namespace) -> dict:
             "engine": stack.engines[0].process.pid,
             "tokenizer": stack.tokenizer.process.pid,
         }
-    pids["bench client"] = os.getpid()
-    cpu = _cpu_sampler(pids)
-    shape = LoadShape(args.concurrency, args.max_tokens, args.duration, args.warmup)
     results: dict[str, RunResult] = {}
+    priorities: dict[str, dict] = {}
     idle: dict[str, list[float]] = {}
-    phases: FirstTokenPhases | None = None
+    phases = FirstTokenPhases(args.router_metrics) if args.router_metrics else None
     first_token_phases: dict[str, float | None] = {}
     try:
         prompt_ids = await _tokenize(tokenizer)
-        if args.only != "router":
-            probe = _prober("engine", engine, prompt_ids) if args.probe else None
-            results["engine_alone"] = await engine_run(engine, prompt_ids, shape, cpu, probe)
-        if args.only != "engine":
-            probe = _prober("router", router, prompt_ids) if args.probe else None
-            sampler = cpu
-            if args.router_metrics:
-                phases = FirstTokenPhases(args.router_metrics)
+        sides = (("engine", "engine_alone", engine), ("router", "router", router))
+        for side, name, address in sides:
+            if args.only not in (None, side):
+                continue
+            batch = EngineBatch(args.engine_metrics) if args.engine_metrics else None
 
-                def sampler() -> dict[str, float]:  # called at the window's two edges
+            def at_edge(side: str = side, batch: EngineBatch | None = batch) -> None:
+                if batch is not None:
+                    batch.snapshot()
+                if side == "router" and phases is not None:
                     phases.snapshot()
-                    return cpu()
 
-            results["router"] = await router_run(router, shape, sampler, probe)
-            if phases is not None:
-                first_token_phases = phases.medians_ms()
+            probe = _prober(side, address, prompt_ids) if args.probe else None
+            results[name], priorities[name] = await _run_load(
+                side, address, args, pids, prompt_ids, probe, at_edge
+            )
+            if batch is not None:
+                results[name].engine_tokens_per_step = batch.tokens_per_step()
+        if phases is not None:
+            first_token_phases = phases.medians_ms()
         if args.only is None and args.idle_samples:
             idle["engine_alone"] = await engine_idle_ttft(engine, prompt_ids, args.idle_samples)
             idle["router"] = await router_idle_ttft(router, args.idle_samples)
@@ -240,6 +338,8 @@ async def run(args: argparse.Namespace) -> dict:
         "cpu_count": os.cpu_count(),
         "cpus": stack_cpus,
         "client_cpus": sorted(args.client_cpus) if args.client_cpus else None,
+        "client_priority": args.client_priority,
+        "client_priority_applied": priorities,  # per side: thread nice, autogroup nice
         "load_average_before": load_average,
     }
     for name, result in results.items():
@@ -276,6 +376,7 @@ def _print(report: dict) -> None:
         f"{report['duration_s']} s counted after {report['warmup_s']} s warm-up; "
         + (f"stack on {len(report['cpus'])} CPUs; " if report["cpus"] else "")
         + (f"clients on {len(report['client_cpus'])} CPUs; " if report["client_cpus"] else "")
+        + f"load generator at {report['client_priority']} priority; "
         + f"load average before {report['load_average_before'][0]:.2f}"
     )
     for key, label in (("engine_alone", "engine alone"), ("router", "router")):
@@ -287,6 +388,11 @@ def _print(report: dict) -> None:
             f"{label:>13}: {side['tokens_per_s']:9.0f} tokens/s ({side['tokens']} tokens, "
             f"{side['requests']} requests, {per_response:.2f} tokens/response), TTFT median "
             f"{side['ttft_median_ms']:.1f} ms, p90 {side['ttft_p90_ms']:.1f} ms"
+            + (
+                f", engine batch {side['engine_tokens_per_step']:.1f} tokens/step"
+                if side["engine_tokens_per_step"]
+                else ""
+            )
         )
         cpu = ", ".join(
             f"{name} {us:.1f} ({side['cpu_cores'][name]:.2f} cores)"
@@ -368,6 +474,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "first-token phases; a started stack's is used by default",
     )
     parser.add_argument(
+        "--engine-metrics",
+        help="that engine's Prometheus URL, for its mean batch in the window; a started "
+        "stack's is used by default",
+    )
+    parser.add_argument(
         "--idle-samples", type=int, default=100, help="requests for the idle TTFT comparison"
     )
     parser.add_argument(
@@ -409,6 +520,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=cpu_list,
         help="once the stack runs, move this bench client and its probe to these CPUs "
         "(e.g. with --cpus 0,1: '2,3'), so only the stack runs on --cpus",
+    )
+    parser.add_argument(
+        "--client-priority",
+        choices=PRIORITIES,
+        default="low",
+        help="CPU priority of the load generator, a process of its own on both sides "
+        "(loadtest/stack_bench_load.py): low (default) runs it at nice 19 in its own session, "
+        "so on a small machine it takes only what the stack leaves, as a client on another "
+        "machine would; normal runs it at the stack's priority. The probe stays normal.",
     )
     parser.add_argument(
         "--hop-trace",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -68,6 +68,7 @@ class RunResult:
     ttfts_s: list[float] = field(default_factory=list, repr=False)
     probe_ttfts_s: list[float] = field(default_factory=list, repr=False)  # stack_bench_probe
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # process name -> CPU seconds
+    engine_tokens_per_step: float | None = None  # the engine's mean batch in the window
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,6 +89,7 @@ class RunResult:
             "probe_ttft_median_ms": percentile(self.probe_ttfts_s, 0.5) * 1e3,
             "probe_ttft_p90_ms": percentile(self.probe_ttfts_s, 0.9) * 1e3,
             "probe_samples": len(self.probe_ttfts_s),
+            "engine_tokens_per_step": self.engine_tokens_per_step,
             "cpu_us_per_token": {
                 name: seconds / tokens * 1e6 for name, seconds in self.cpu_seconds.items()
             },
@@ -99,7 +101,7 @@ class RunResult:
 
 
 class _Window:
-    """The counting window; `CpuSampler` snapshots process CPU at its edges."""
+    """The counting window, in time.monotonic() seconds (one clock for every process here)."""
 
     def __init__(self, shape: LoadShape) -> None:
         now = time.monotonic()
@@ -110,24 +112,16 @@ class _Window:
         return self.start <= now < self.end
 
 
-CpuSampler = Callable[[], dict[str, float]]
-# Started with the counting window's (start, end) in time.monotonic() seconds; returns the
-# probe's times to first token (loadtest/stack_bench_probe.py), seconds.
-Probe = Callable[[float, float], Awaitable[list[float]]]
+# Told the counting window's (start, end) as the load starts, so that whoever runs this load
+# (loadtest/stack_bench_load.py) can sample CPU at its edges and start the probe inside it.
+WindowStarted = Callable[[float, float], None]
 
 
-async def _measure(
-    window: _Window, result: RunResult, cpu: CpuSampler, probe: Probe | None
-) -> None:
-    probing = asyncio.ensure_future(probe(window.start, window.end)) if probe else None
-    await asyncio.sleep(max(0.0, window.start - time.monotonic()))
-    before = cpu()
+async def _measure(window: _Window, result: RunResult, started: WindowStarted | None) -> None:
+    if started is not None:
+        started(window.start, window.end)
     await asyncio.sleep(max(0.0, window.end - time.monotonic()))
-    after = cpu()
     result.seconds = window.end - window.start
-    result.cpu_seconds = {name: after[name] - before[name] for name in after if name in before}
-    if probing is not None:
-        result.probe_ttfts_s = await probing
 
 
 def params(max_tokens: int) -> common_pb2.SamplingParams:
@@ -142,7 +136,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def router_run(
-    address: str, shape: LoadShape, cpu: CpuSampler, probe: Probe | None = None
+    address: str, shape: LoadShape, started: WindowStarted | None = None
 ) -> RunResult:
     """Closed-loop Generate streams through the router."""
     result = RunResult("router")
@@ -175,7 +169,7 @@ async def router_run(
                     first = False
 
         streams = [asyncio.ensure_future(stream(i)) for i in range(shape.concurrency)]
-        await _measure(window, result, cpu, probe)
+        await _measure(window, result, started)
         failed = [task for task in streams if task.done() and task.exception() is not None]
         for task in streams:
             task.cancel()  # cancels the calls still running
@@ -192,8 +186,7 @@ async def engine_run(
     address: str,
     prompt_ids: list[list[int]],
     shape: LoadShape,
-    cpu: CpuSampler,
-    probe: Probe | None = None,
+    started: WindowStarted | None = None,
 ) -> RunResult:
     """The same closed loop straight over one EngineSession: the engine by itself."""
     result = RunResult("engine alone")
@@ -255,7 +248,7 @@ async def engine_run(
 
         session = [asyncio.ensure_future(write()), asyncio.ensure_future(read())]
         tasks = session + [asyncio.ensure_future(stream(i)) for i in range(shape.concurrency)]
-        await _measure(window, result, cpu, probe)
+        await _measure(window, result, started)
         for task in tasks:
             task.cancel()
         # The tasks end first: a write still in flight when the call is cancelled fails with

@@ -39,6 +39,7 @@ def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys, monkeypatc
     # --hop-trace sets this for the processes the bench starts; the test's own env is restored.
     monkeypatch.setenv("SLUICE_HOP_TRACE_DIR", "")
     allowed = os.sched_getaffinity(0)
+    nice_before = os.nice(0)
     cpus = sorted(allowed)[:2]
     argv = [
         "--synthetic-step-ms", "2", "--concurrency", "8", "--max-tokens", "16",
@@ -51,6 +52,11 @@ def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys, monkeypatc
     assert os.sched_getaffinity(0) == allowed  # given back to this process
     report = json.loads(report_path.read_text())
     assert report["cpus"] == report["client_cpus"] == cpus
+    # The load ran as a process of its own at the lowest priority, on both sides; this one kept its.
+    assert report["client_priority"] == "low"
+    assert {side["nice"] for side in report["client_priority_applied"].values()} == {19}
+    assert set(report["client_priority_applied"]) == {"engine_alone", "router"}
+    assert os.nice(0) == nice_before
     engine, router = report["engine_alone"], report["router"]
     for side in (engine, router):
         assert side["tokens"] > 0 and side["requests"] > 0 and side["ttft_samples"] > 0
@@ -58,6 +64,7 @@ def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys, monkeypatc
         assert side["ttft_median_ms"] <= side["ttft_p90_ms"]
         assert side["probe_samples"] > 0  # the probe process ran and answered in the window
         assert side["probe_ttft_median_ms"] <= side["probe_ttft_p90_ms"]
+        assert side["engine_tokens_per_step"] is None  # the synthetic engine has no /metrics
     assert engine["tokens_per_response"] == pytest.approx(1.0)  # one token per step each
     assert router["tokens_per_response"] > 1.0  # --stream-interval 2 reached the router
     assert set(router["cpu_us_per_token"]) >= {"router", "tokenizer", "engine", "bench client"}

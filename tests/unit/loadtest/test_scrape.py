@@ -83,3 +83,47 @@ def test_scrape_histogram_groups_buckets_by_label_from_a_live_endpoint() -> None
     assert after["queue"] == [(0.001, 1.0), (0.01, 1.0), (INF, 1.0)]
     median = window_quantile(before.get("engine", []), after["engine"], 0.5)
     assert median == pytest.approx(0.001 + 0.009 / 2)
+
+
+def test_engine_batch_reads_the_step_and_token_counters_between_two_scrapes() -> None:
+    """The stack bench's mean engine batch: tokens over steps, from a histogram's `_count` and
+    a counter, counting only what happened between the window's two edges."""
+    from prometheus_client import Counter
+
+    from loadtest.stack_bench import ENGINE_STEPS_METRIC, EngineBatch
+
+    registry = CollectorRegistry()
+    steps = Histogram("sluice_engine_step_time_seconds", "s", buckets=(0.01,), registry=registry)
+    tokens = Counter("sluice_engine_generated_tokens", "t", registry=registry)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        batch = EngineBatch(f"http://127.0.0.1:{server.server_port}/metrics")
+        for _ in range(5):  # before the window: must not count
+            steps.observe(0.001)
+            tokens.inc(1)
+        batch.snapshot()
+        assert batch.tokens_per_step() is None  # one edge only
+        for _ in range(4):
+            steps.observe(0.002)
+            tokens.inc(60)
+        batch.snapshot()
+    finally:
+        server.shutdown()
+        thread.join(5)
+    assert batch.snapshots[-1][ENGINE_STEPS_METRIC] == 9.0
+    assert batch.tokens_per_step() == pytest.approx(60.0)
+    batch.snapshots.append(dict(batch.snapshots[-1]))  # no step in between: no batch to give
+    assert batch.tokens_per_step() is None
+
+
+def test_engine_batch_reads_the_names_the_engine_exports() -> None:
+    from loadtest.stack_bench import ENGINE_STEPS_METRIC, ENGINE_TOKENS_METRIC
+    from services.common import metrics
+
+    exported = {
+        sample.name
+        for metric in (metrics.ENGINE_STEP_TIME, metrics.ENGINE_GENERATED_TOKENS)
+        for family in metric.collect()
+        for sample in family.samples
+    }
+    assert {ENGINE_STEPS_METRIC, ENGINE_TOKENS_METRIC} <= exported

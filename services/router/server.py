@@ -49,6 +49,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        # The response headers go out now, while the prompt is tokenized, instead of with the
+        # first token: a gRPC client reads a stream's first message only after its headers, a
+        # wake-up of its own, which is then off the first token's path.
+        headers: asyncio.Future | None = asyncio.ensure_future(_send_headers(context))
+        try:
+            async for response in self._responses(request, context):
+                if headers is not None:  # done long before; a second send would be refused
+                    await headers
+                    headers = None
+                yield response
+        finally:
+            if headers is not None:  # an error's status must not race the headers either
+                await headers
+
+    async def _responses(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         cache = self.core.idempotency
         if cache is None or not request.request_id:
             async for response in self._generate(request, context):
@@ -142,6 +159,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for name in sorted(self.core.known_adapters()):
             model.adapters.add(name=name)
         return response
+
+
+async def _send_headers(context: grpc.aio.ServicerContext) -> None:
+    with contextlib.suppress(Exception):  # the call ended first: nothing left to tell
+        await context.send_initial_metadata(())
 
 
 async def start(

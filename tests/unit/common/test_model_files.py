@@ -155,3 +155,40 @@ def test_unconvertible_gguf_is_a_clear_error(
     with pytest.raises(FailedPreconditionError, match="cannot convert"):
         resolve_model(str(broken))
     assert not any(p.name.startswith("broken") for p in (tmp_path / "cache" / "models").iterdir())
+
+
+def test_gguf_cache_is_keyed_by_the_files_bytes_not_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reinstall into another virtual environment reuses the conversion; another file, or
+    the same path with new bytes, gets its own; the digest memo is what later starts read."""
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    built: list[Path] = []
+
+    def fake_convert(source: Path, out: Path) -> None:
+        built.append(source)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_files, "_convert_gguf", fake_convert)
+    first, second, other = (tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf",
+                            tmp_path / "other.gguf")  # fmt: skip
+    for path, data in ((first, b"gguf bytes"), (second, b"gguf bytes"), (other, b"others")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    converted = [model_files._converted_gguf(p, name="m") for p in (first, second, other)]
+    assert converted[0] == converted[1] != converted[2]
+    assert built == [first.resolve(), other.resolve()]  # the second copy was not converted
+
+    memo_path = tmp_path / "cache" / "models" / model_files.DIGESTS_FILE
+    memo = json.loads(memo_path.read_text())
+    assert len(memo) == 3 and len(set(memo.values())) == 2
+    # Later starts take the digest from the memo, not from reading the file again.
+    memo = {key: "0" * 64 if key.startswith(str(first.resolve())) else v for key, v in memo.items()}
+    memo_path.write_text(json.dumps(memo))
+    assert model_files._converted_gguf(first, name="m") not in converted
+    # New bytes at the same path (size or mtime changes): a new digest, a new conversion.
+    first.write_bytes(b"other gguf bytes")
+    assert model_files._converted_gguf(first, name="m") not in converted
+    # A torn memo is only slower: the file is read again.
+    memo_path.write_text("{not json")
+    assert model_files._converted_gguf(second, name="m") == converted[1]

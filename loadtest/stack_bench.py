@@ -141,12 +141,23 @@ class EngineBatch:
         self.snapshots: list[dict[str, float]] = []
 
     def snapshot(self) -> None:
-        self.snapshots.append(scrape_samples(self.url, {ENGINE_STEPS_METRIC, ENGINE_TOKENS_METRIC}))
+        names = {ENGINE_STEPS_METRIC, ENGINE_TOKENS_METRIC}
+        try:
+            self.snapshots.append(scrape_samples(self.url, names))
+        except (OSError, ValueError) as exc:  # a side figure: the run goes on without it
+            print(f"warning: no engine metrics from {self.url}: {exc}", file=sys.stderr)
+            self.snapshots.append({})
 
     def tokens_per_step(self) -> float | None:
-        first, last = self.snapshots[-2:] if len(self.snapshots) >= 2 else ({}, {})
-        steps = last.get(ENGINE_STEPS_METRIC, 0.0) - first.get(ENGINE_STEPS_METRIC, 0.0)
-        tokens = last.get(ENGINE_TOKENS_METRIC, 0.0) - first.get(ENGINE_TOKENS_METRIC, 0.0)
+        """None unless both edges were read and the engine stepped in between."""
+        if len(self.snapshots) < 2:
+            return None
+        first, last = self.snapshots[-2:]
+        names = (ENGINE_STEPS_METRIC, ENGINE_TOKENS_METRIC)
+        if any(name not in first or name not in last for name in names):
+            return None
+        steps = last[ENGINE_STEPS_METRIC] - first[ENGINE_STEPS_METRIC]
+        tokens = last[ENGINE_TOKENS_METRIC] - first[ENGINE_TOKENS_METRIC]
         return tokens / steps if steps > 0 else None
 
 

@@ -114,6 +114,8 @@ def test_engine_batch_reads_the_step_and_token_counters_between_two_scrapes() ->
     assert batch.tokens_per_step() == pytest.approx(60.0)
     batch.snapshots.append(dict(batch.snapshots[-1]))  # no step in between: no batch to give
     assert batch.tokens_per_step() is None
+    batch.snapshot()  # the endpoint is gone: a warning and no figure, never a wrong one
+    assert batch.snapshots[-1] == {} and batch.tokens_per_step() is None
 
 
 def test_engine_batch_reads_the_names_the_engine_exports() -> None:

@@ -45,8 +45,9 @@ def lower_priority() -> dict:
 
 
 def main(argv: list[str]) -> int:
-    side, address, shape_json, priority = argv[:4]
-    if side not in ("router", "engine") or priority not in PRIORITIES:
+    side, address, shape_json, priority = (list(argv) + [""] * 4)[:4]
+    wanted = 5 if side == "engine" else 4
+    if side not in ("router", "engine") or priority not in PRIORITIES or len(argv) != wanted:
         print(f"usage: {USAGE}", file=sys.stderr)
         return 2
     # Before gRPC is imported: every thread it starts inherits this thread's priority.

@@ -52,7 +52,11 @@ def test_outside_a_session_of_its_own_the_callers_autogroup_is_left_alone() -> N
     assert seen["applied"]["autogroup_nice"] is None
 
 
-@pytest.mark.parametrize("argv", [["bogus", "x", "{}", "low"], ["router", "x", "{}", "high"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["bogus", "x", "{}", "low"], ["router", "x", "{}", "high"], ["router"],
+     ["engine", "x", "{}", "low"]],  # the engine side needs its prompt ids
+)  # fmt: skip
 def test_bad_arguments_exit_2_with_the_usage(argv: list[str]) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "loadtest.stack_bench_load", *argv],

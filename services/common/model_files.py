@@ -188,7 +188,12 @@ def _content_digest(path: Path, memo_path: Path) -> str:
         while chunk := handle.read(1 << 22):
             hasher.update(chunk)
     digest = hasher.hexdigest()
-    memo = {key: value for key, value in memo.items() if Path(key.rsplit("|", 3)[0]).exists()}
+    # One entry per file that still exists: a reinstall at the same path replaces its own.
+    memo = {
+        key: value
+        for key, value in memo.items()
+        if (other := key.rsplit("|", 3)[0]) != str(path) and Path(other).exists()
+    }
     memo[identity] = digest
     with contextlib.suppress(OSError):  # no memo is only slower; the cache's errors come later
         memo_path.parent.mkdir(parents=True, exist_ok=True)

@@ -186,9 +186,12 @@ def test_gguf_cache_is_keyed_by_the_files_bytes_not_its_path(
     memo = {key: "0" * 64 if key.startswith(str(first.resolve())) else v for key, v in memo.items()}
     memo_path.write_text(json.dumps(memo))
     assert model_files._converted_gguf(first, name="m") not in converted
-    # New bytes at the same path (size or mtime changes): a new digest, a new conversion.
+    # New bytes at the same path (size or mtime changes): a new digest, a new conversion,
+    # and the path's old memo entry replaced, not kept beside it.
     first.write_bytes(b"other gguf bytes")
     assert model_files._converted_gguf(first, name="m") not in converted
+    paths = [key.rsplit("|", 3)[0] for key in json.loads(memo_path.read_text())]
+    assert sorted(paths) == sorted(str(p.resolve()) for p in (first, second, other))
     # A torn memo is only slower: the file is read again.
     memo_path.write_text("{not json")
     assert model_files._converted_gguf(second, name="m") == converted[1]

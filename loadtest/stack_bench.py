@@ -574,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             parser.error(f"--cpus: cannot run on CPUs {sorted(args.cpus)}: {exc.strerror}")
     # As the services do (GIL hand-offs from gRPC's poller thread); the same for both sides.
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)
     try:
         report = event_loop.run(run(args))
     finally:

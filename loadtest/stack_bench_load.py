@@ -52,11 +52,12 @@ def main(argv: list[str]) -> int:
         return 2
     # Before gRPC is imported: every thread it starts inherits this thread's priority.
     applied = lower_priority() if priority == "low" else {"nice": os.nice(0)}
-    sys.setswitchinterval(0.0005)  # as the services do (GIL hand-offs from gRPC's poller)
     from dataclasses import asdict
 
     from loadtest.stack_bench_clients import LoadShape, engine_run, router_run
     from services.common import event_loop
+
+    sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)  # as the services do
 
     shape = LoadShape(**json.loads(shape_json))
 

@@ -54,11 +54,6 @@ ACCEPTED_REQUESTS_TRAILER = "sluice-engine-accepted-requests"
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "sluice.v1.Engine"
-# The forward thread and the gRPC (asyncio) thread share the GIL. With Python's default 5 ms
-# switch interval the forward thread, wanting the GIL back after a torch op, can wait up to
-# 5 ms while the asyncio thread runs Python - a whole step of a small model. 0.5 ms bounds that
-# wait (measured: stack_bench through the router, dummy:tiny, 7.7-8.1k -> 9.0-9.3k tokens/s).
-GIL_SWITCH_INTERVAL_S = 0.0005
 _SEPARATOR = "/"
 
 
@@ -314,7 +309,9 @@ async def serve(config: WorkerConfig, *, stop_event: asyncio.Event | None = None
     from services.engine.llm_engine import LLMEngine
 
     log.info("%s\n%s", describe(config.network), describe(config.engine))
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    # The forward thread and the gRPC thread share the GIL: a small model's whole step could
+    # otherwise wait out Python's default 5 ms interval.
+    sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)
     metrics.start_metrics_server(config.network.metrics_port)
     servicer = EngineServicer(load_report_interval_s=config.network.load_report_interval_s)
     running = await start_server(

@@ -34,10 +34,6 @@ from services.router.shared_state import SHARED_STATE_HEALTH, SharedState
 log = logging.getLogger("services.router")
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-# gRPC's poller thread hands every completed message to the event loop and needs the GIL for
-# it; with Python's default 5 ms switch interval it can wait that long behind the loop's own
-# Python, on every hop of a request. 0.5 ms bounds that wait.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -234,7 +230,7 @@ async def shutdown(core: RouterCore, server: RunningServer, grace_s: float) -> b
 async def serve(settings: RouterSettings, *, stop: asyncio.Event | None = None) -> int:
     """Run the router until SIGTERM/SIGINT (or `stop` is set), drain, and return 0."""
     config = settings.router
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)
     metrics.start_metrics_server(config.metrics_port)
     shared = await SharedState.open(settings)
     core, server = await start(config, shared=shared)

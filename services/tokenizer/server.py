@@ -47,9 +47,6 @@ from services.tokenizer.tokenize import EncodeItem, TokenizerModel
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
-# gRPC's poller thread and the encoding threads need the GIL to hand results to the event loop;
-# with Python's default 5 ms switch interval each hand-off can wait that long behind the loop.
-GIL_SWITCH_INTERVAL_S = 0.0005
 # A batch of text items (no chat template to render) with at most this many characters in all
 # is encoded on the event loop: cheaper and faster than a round trip through the thread pool.
 INLINE_ENCODE_MAX_CHARS = 2048
@@ -314,7 +311,7 @@ async def start(config: TokenizerConfig, model: TokenizerModel | None = None) ->
 async def serve(config: TokenizerConfig, stop: asyncio.Event | None = None) -> None:
     """Run the service until SIGTERM/SIGINT (or `stop` is set), then drain for config.grace."""
     stop = stop or asyncio.Event()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)  # encoding threads hand off too
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread

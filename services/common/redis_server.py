@@ -1,15 +1,22 @@
 """A private redis-server on loopback, for `sluice up` without --redis-url (and for tests).
 
 `start_redis_server()` runs the installed `redis-server` binary bound to 127.0.0.1 on a free
-port, with a random password, no persistence and its files in a private temporary directory;
-it waits until the server answers PING and returns a `LocalRedisServer` whose `url` carries the
-password. `stop()` terminates it and removes the directory. When the binary is missing,
-`find_redis_server()` returns None and the caller falls back to the in-memory store (and says so).
+port, with a random password; it waits until the server answers PING and returns a
+`LocalRedisServer` whose `url` carries the password. Without `data_dir` its files live in a
+private temporary directory with no persistence, removed by `stop()`. With `data_dir` (what
+`sluice up` passes: `<cache dir>/redis`) it persists every write in an append-only file there,
+so API keys, the adapter registry and idempotency records survive a crash of the server and a
+restart of the stack; the directory is locked while a server uses it (a second stack on the same
+cache directory gets a temporary, non-persistent one and a warning). `restart()` starts a
+crashed server again on the same port with the same password, so clients reconnect unchanged.
+When the binary is missing, `find_redis_server()` returns None and the caller falls back to the
+in-memory store (and says so).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import secrets
 import shutil
@@ -21,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from services.common.errors import FailedPreconditionError, UnavailableError
 from services.common.ports import free_port
@@ -52,6 +60,8 @@ class LocalRedisServer:
     password: str
     directory: Path
     tls_ca_file: Path | None = None
+    persistent: bool = False  # directory holds an append-only file that outlives the server
+    lock_file: IO[bytes] | None = field(default=None, repr=False)  # held while persistent
     log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,8 +79,22 @@ class LocalRedisServer:
     def running(self) -> bool:
         return self.process.poll() is None
 
+    @property
+    def config_path(self) -> Path:
+        return self.directory / "redis.conf"
+
+    def restart(self, startup_timeout_s: float = 10.0) -> None:
+        """Start the server again (same port, password and files) after it exited."""
+        if self.running():
+            raise FailedPreconditionError("redis-server is still running")
+        self.process = _spawn(self.config_path)
+        _wait_ready(self, startup_timeout_s)
+        log.info("restarted private redis-server on %s:%d", self.host, self.port)
+
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL) and remove its directory."""
+        """Terminate the server (SIGTERM, then SIGKILL); remove a temporary directory.
+
+        SIGTERM makes redis-server flush its append-only file before it exits."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -78,7 +102,11 @@ class LocalRedisServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout_s)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.lock_file is not None:
+            self.lock_file.close()  # releases the directory's lock
+            self.lock_file = None
+        if not self.persistent:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def start_redis_server(
@@ -87,16 +115,23 @@ def start_redis_server(
     port: int | None = None,
     startup_timeout_s: float = 10.0,
     tls_files: tuple[Path, Path, Path] | None = None,
+    data_dir: Path | None = None,
 ) -> LocalRedisServer:
     """Start a private redis-server (see module docstring); raises if it cannot start.
 
     With `tls_files` = (CA certificate, server certificate, server key) it serves TLS only
-    (its `url` is rediss://; clients verify it with that CA)."""
-    binary = find_redis_server()
-    if binary is None:
+    (its `url` is rediss://; clients verify it with that CA). With `data_dir` it persists there
+    (append-only file); FailedPreconditionError if another server holds that directory."""
+    if find_redis_server() is None:
         raise FailedPreconditionError("redis-server is not installed")
     password = secrets.token_urlsafe(24)
-    directory = Path(tempfile.mkdtemp(prefix="sluice-redis-"))
+    lock_file: IO[bytes] | None = None
+    if data_dir is None:
+        directory = Path(tempfile.mkdtemp(prefix="sluice-redis-"))
+    else:
+        directory = Path(data_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        lock_file = _lock(directory)
     directory.chmod(0o700)
     chosen_port = port if port is not None else free_port(host)
     config_path = directory / "redis.conf"
@@ -120,8 +155,9 @@ def start_redis_server(
                 f"requirepass {password}",
                 "protected-mode yes",
                 f"dir {directory}",
-                'save ""',
-                "appendonly no",
+                'save ""',  # no snapshots: the append-only file (when persistent) is the record
+                f"appendonly {'no' if data_dir is None else 'yes'}",
+                "appendfsync everysec",
                 "daemonize no",
                 f"logfile {directory / 'redis.log'}",
             )
@@ -129,7 +165,36 @@ def start_redis_server(
         + "\n"
     )
     config_path.chmod(0o600)
-    process = subprocess.Popen(  # noqa: S603 - fixed binary, our own config file
+    server = LocalRedisServer(
+        _spawn(config_path),
+        host,
+        chosen_port,
+        password,
+        directory,
+        tls_files[0] if tls_files else None,
+        persistent=data_dir is not None,
+        lock_file=lock_file,
+    )
+    try:
+        _wait_ready(server, startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    log.info(
+        "started private redis-server on %s:%d (pid %d, %s)",
+        host,
+        chosen_port,
+        server.pid,
+        f"persistent in {directory}" if server.persistent else "not persistent",
+    )
+    return server
+
+
+def _spawn(config_path: Path) -> subprocess.Popen[bytes]:
+    binary = find_redis_server()
+    if binary is None:
+        raise FailedPreconditionError("redis-server is not installed")
+    return subprocess.Popen(  # noqa: S603 - fixed binary, our own config file
         # Through the wrapper that ties it to this process: it never outlives a launcher
         # killed with SIGKILL (services/common/processes.py).
         [sys.executable, "-m", "services.common.processes", binary, str(config_path)],
@@ -139,16 +204,19 @@ def start_redis_server(
         env=tied_env(),
         start_new_session=True,
     )
-    server = LocalRedisServer(
-        process, host, chosen_port, password, directory, tls_files[0] if tls_files else None
-    )
+
+
+def _lock(directory: Path) -> IO[bytes]:
+    """Hold an exclusive lock on `directory` (released when the returned file is closed)."""
+    lock_file = open(directory / "lock", "ab")  # noqa: SIM115 - held open while the server runs
     try:
-        _wait_ready(server, startup_timeout_s)
-    except BaseException:
-        server.stop()
-        raise
-    log.info("started private redis-server on %s:%d (pid %d)", host, chosen_port, process.pid)
-    return server
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock_file.close()
+        raise FailedPreconditionError(
+            f"{directory} is in use by another private redis-server"
+        ) from None
+    return lock_file
 
 
 def _wait_ready(server: LocalRedisServer, timeout_s: float) -> None:
@@ -184,10 +252,12 @@ def _ping(server: LocalRedisServer) -> bool:
     return False
 
 
-def redis_for_stack(redis_url: str | None) -> tuple[str | None, LocalRedisServer | None]:
-    """What `sluice up` uses: the given URL; else a private server when the binary exists;
-    else (None, None), meaning the in-memory store (logged here, so it is said at start-up).
-    The caller stops the returned server on exit."""
+def redis_for_stack(
+    redis_url: str | None, data_dir: Path | None = None
+) -> tuple[str | None, LocalRedisServer | None]:
+    """What `sluice up` uses: the given URL; else a private server when the binary exists
+    (persistent in `data_dir` when given and free); else (None, None), meaning the in-memory
+    store (logged here, so it is said at start-up). The caller stops the returned server."""
     if redis_url:
         return redis_url, None
     if find_redis_server() is None:
@@ -196,5 +266,12 @@ def redis_for_stack(redis_url: str | None) -> tuple[str | None, LocalRedisServer
             "store (one router; registry, keys, limits and idempotency are not shared)"
         )
         return None, None
+    if data_dir is not None:
+        try:
+            server = start_redis_server(data_dir=data_dir)
+        except FailedPreconditionError as exc:
+            log.warning("%s: this stack's Redis state will not persist", exc)
+        else:
+            return server.url, server
     server = start_redis_server()
     return server.url, server

@@ -51,7 +51,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-from loadtest import hop_report
+from benchmarks import hop_report
 from loadtest.scrape import Buckets, scrape_histogram, scrape_samples, window_quantile
 from loadtest.stack_bench_clients import (
     PROMPTS,

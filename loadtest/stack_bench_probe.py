@@ -30,7 +30,7 @@ PAUSE_S = 0.02  # between probes: a light extra load, about one request per step
 async def probe_router(address: str, start_at: float, end_at: float) -> list[float]:
     ttfts: list[float] = []
     # With SLUICE_HOP_TRACE_DIR set, each probe asks the router to trace its hops, and marks
-    # its own send and first token (loadtest/hop_report.py joins them).
+    # its own send and first token (benchmarks/hop_report.py joins them).
     metadata = ((hop_trace.METADATA_KEY, "1"),) if hop_trace.ENABLED else None
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)

@@ -12,7 +12,7 @@ processes of a machine), written unbuffered, so a process killed at the end lose
   the step's end and the step message handed to gRPC.
 - The tokenizer records every tokenize and detokenize message it receives and answers.
 
-`loadtest/hop_report.py` joins the files into one row per traced request; `stack_bench
+`benchmarks/hop_report.py` joins the files into one row per traced request; `stack_bench
 --hop-trace DIR` traces its latency probe that way. Call sites check `ENABLED` first, so the
 cost when off is one global lookup.
 """

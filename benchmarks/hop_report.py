@@ -4,8 +4,8 @@ services/common/hop_trace.py says what each process records. This joins the file
 per traced request (the stack_bench probe's) and prints, for each hop, the median, mean and
 p90 in milliseconds:
 
-    python -m loadtest.hop_report /tmp/hops            # a table
-    python -m loadtest.hop_report /tmp/hops --json F   # and the figures as JSON
+    python -m benchmarks.hop_report /tmp/hops            # a table
+    python -m benchmarks.hop_report /tmp/hops --json F   # and the figures as JSON
 
 Joins: the router's request id links its own events, the engine's submit and the step that
 carried the first token (within that engine's file, by step index and session); the tokenize and
@@ -250,7 +250,7 @@ def report(directory: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.hop_report",
+        prog="python -m benchmarks.hop_report",
         description="Per-hop times to first token from SLUICE_HOP_TRACE_DIR files.",
     )
     parser.add_argument("directory", type=Path, help="the SLUICE_HOP_TRACE_DIR of the run")

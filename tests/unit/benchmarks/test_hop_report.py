@@ -1,4 +1,4 @@
-"""loadtest.hop_report joins the per-process hop files into one row per traced request."""
+"""benchmarks.hop_report joins the per-process hop files into one row per traced request."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loadtest import hop_report
+from benchmarks import hop_report
 
 # Two probes (send at 10.000 and 20.000 s), each through router, tokenizer and engine 1. Engine
 # 2 also ran a step with the index of probe 0's step, and ended it first: it must not be joined.

@@ -42,10 +42,12 @@ class RouterConfig:
     max_inflight_per_engine: int = field(
         0, help="requests placed on one engine at once (0: the engine's max_num_seqs)"
     )
-    retry_after: float = field(
+    retry_after_s: float = field(
         1.0, help="seconds suggested to a rejected client (retry-after trailer), at least"
     )
-    grace: float = field(30.0, help="seconds in-flight requests may take to finish on SIGTERM")
+    shutdown_grace_s: float = field(
+        30.0, help="seconds in-flight requests may take to finish on SIGTERM"
+    )
     api_keys_file: str | None = field(
         None, help="file with one API key per line; unset means no authentication"
     )
@@ -63,7 +65,7 @@ class RouterConfig:
     idempotency_ttl_s: float = field(
         600.0, help="seconds a finished request's result is kept for a retry with its request_id"
     )
-    tokenize_timeout: float = field(10.0, help="seconds tokenizing a prompt may take")
+    tokenize_timeout_s: float = field(10.0, help="seconds tokenizing a prompt may take")
     stream_interval: int = field(
         0,
         help="tokens a streamed response gathers before it is sent (the first token and the "
@@ -82,8 +84,8 @@ class RouterConfig:
         DEFAULT_MAX_HOLD_S * 1e3,
         help="with --stream-interval 0: the longest a token may be held back, ms",
     )
-    reconnect_min_backoff: float = field(0.1, help="first reconnect delay to a lost service, s")
-    reconnect_max_backoff: float = field(5.0, help="longest reconnect delay to a lost service, s")
+    reconnect_min_backoff_s: float = field(0.1, help="first reconnect delay to a lost service, s")
+    reconnect_max_backoff_s: float = field(1.0, help="longest reconnect delay to a lost service, s")
     metrics_port: int | None = field(None, help="serve Prometheus /metrics on this port")
     log_level: str = field("INFO", help="logging level")
 
@@ -112,7 +114,7 @@ class RouterConfig:
                 raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}")
         if self.max_inflight_per_engine < 0:
             raise InvalidArgumentError("max_inflight_per_engine must be >= 0")
-        for name in ("retry_after", "grace", "tokenize_timeout"):
+        for name in ("retry_after_s", "shutdown_grace_s", "tokenize_timeout_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value}")
@@ -120,8 +122,10 @@ class RouterConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}")
-        if not 0 < self.reconnect_min_backoff <= self.reconnect_max_backoff:
-            raise InvalidArgumentError("need 0 < reconnect_min_backoff <= reconnect_max_backoff")
+        if not 0 < self.reconnect_min_backoff_s <= self.reconnect_max_backoff_s:
+            raise InvalidArgumentError(
+                "need 0 < reconnect_min_backoff_s <= reconnect_max_backoff_s"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise InvalidArgumentError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 

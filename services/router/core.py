@@ -63,7 +63,7 @@ class RouterCore:
         self.queue = AdmissionQueue(
             config.max_queued_requests,
             config.max_queued_tokens,
-            min_retry_after_s=config.retry_after,
+            min_retry_after_s=config.retry_after_s,
         )
         self.policy = policy or LeastLoadedPolicy()
         # `check(metadata)` raises UNAUTHENTICATED or returns the caller (key_id, limits) or None.
@@ -76,9 +76,9 @@ class RouterCore:
             config.tokenizer,
             self._on_detokenized,
             self._tokenizer_lost,
-            tokenize_timeout_s=config.tokenize_timeout,
-            min_backoff_s=config.reconnect_min_backoff,
-            max_backoff_s=config.reconnect_max_backoff,
+            tokenize_timeout_s=config.tokenize_timeout_s,
+            min_backoff_s=config.reconnect_min_backoff_s,
+            max_backoff_s=config.reconnect_max_backoff_s,
         )
         self.tokenizer.ready_changed = self._readiness_changed
         self.pacing = StreamPacing(
@@ -94,8 +94,8 @@ class RouterCore:
             self._engine_lost,
             self._readiness_changed,
             max_inflight=config.max_inflight_per_engine,
-            min_backoff_s=config.reconnect_min_backoff,
-            max_backoff_s=config.reconnect_max_backoff,
+            min_backoff_s=config.reconnect_min_backoff_s,
+            max_backoff_s=config.reconnect_max_backoff_s,
         )
         self.draining = False
         self.on_readiness: Callable[[bool], None] | None = None

@@ -3,7 +3,7 @@
 `python -m services.router.server --port 50051 --engines 127.0.0.1:50061 --tokenizer
 127.0.0.1:50052` (or `sluice serve router ...`). Health is NOT_SERVING until a tokenizer and an
 engine are connected. SIGTERM (or SIGINT) drains: new calls get UNAVAILABLE, in-flight requests
-get up to `--grace` seconds to finish, then the process exits 0.
+get up to `--shutdown-grace-s` seconds to finish, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ async def serve(settings: RouterSettings, *, stop: asyncio.Event | None = None) 
     print(f"router listening on {config.host}:{server.port}", flush=True)
     await stop.wait()
     log.info("shutting down")
-    await shutdown(core, server, config.grace)
+    await shutdown(core, server, config.shutdown_grace_s)
     await shared.close()
     return 0
 

@@ -33,7 +33,7 @@ class TokenizerConfig:
     max_batch_items: int = field(1024, help="items one Tokenize call may carry")
     max_text_chars: int = field(4_000_000, help="longest text (or rendered chat) to encode")
     tokenize_threads: int = field(2, help="threads that encode Tokenize batches")
-    grace: float = field(5.0, help="seconds open calls may take to finish on SIGTERM")
+    shutdown_grace_s: float = field(5.0, help="seconds open calls may take to finish on SIGTERM")
     log_level: str = field("INFO", help="logging level")
 
     def __post_init__(self) -> None:
@@ -54,8 +54,10 @@ class TokenizerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.grace < 0:
-            raise InvalidArgumentError(f"grace must be >= 0, got {self.grace}")
+        if self.shutdown_grace_s < 0:
+            raise InvalidArgumentError(
+                f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}"
+            )
 
     @property
     def address(self) -> str:

@@ -309,7 +309,7 @@ async def start(config: TokenizerConfig, model: TokenizerModel | None = None) ->
 
 
 async def serve(config: TokenizerConfig, stop: asyncio.Event | None = None) -> None:
-    """Run the service until SIGTERM/SIGINT (or `stop` is set), then drain for config.grace."""
+    """Run the service until SIGTERM/SIGINT (or `stop` is set), then drain open calls."""
     stop = stop or asyncio.Event()
     sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)  # encoding threads hand off too
     loop = asyncio.get_running_loop()
@@ -321,8 +321,8 @@ async def serve(config: TokenizerConfig, stop: asyncio.Event | None = None) -> N
     try:
         await stop.wait()
     finally:
-        log.info("tokenizer stopping (grace %.1f s)", config.grace)
-        await server.stop(config.grace)
+        log.info("tokenizer stopping (grace %.1f s)", config.shutdown_grace_s)
+        await server.stop(config.shutdown_grace_s)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,7 +47,7 @@ pytestmark = [
     pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed"),
 ]
 
-ROUTER_ARGS = ("--registry-poll-s", "0.2", "--redis-timeout-s", "0.3", "--grace", "1")
+ROUTER_ARGS = ("--registry-poll-s", "0.2", "--redis-timeout-s", "0.3", "--shutdown-grace-s", "1")
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def stream_in_thread(stub, max_tokens: int, results: list, first_token: threadin
 
 
 def test_sigterm_drains_in_flight_streams(stack_factory) -> None:
-    stack = stack_factory(model="dummy:tiny", router_args=("--grace", "60"))
+    stack = stack_factory(model="dummy:tiny", router_args=("--shutdown-grace-s", "60"))
     max_tokens = 600
     with grpc.insecure_channel(stack.router_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)

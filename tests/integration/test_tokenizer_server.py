@@ -221,7 +221,15 @@ def test_info_health_and_reflection(model) -> None:
 
 def test_server_runs_as_a_subprocess_and_stops_on_sigterm() -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.tokenizer.server", "--port", "0", "--grace", "1"],
+        [
+            sys.executable,
+            "-m",
+            "services.tokenizer.server",
+            "--port",
+            "0",
+            "--shutdown-grace-s",
+            "1",
+        ],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

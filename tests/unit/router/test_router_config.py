@@ -1,14 +1,12 @@
-"""RouterConfig layering/validation and protobuf conversions."""
+"""RouterConfig layering/validation and the router's own protobuf conversions."""
 
 from __future__ import annotations
 
 import pytest
 
-from protos.sluice.v1 import common_pb2
 from services.common.errors import InvalidArgumentError
-from services.engine.sampling_params import SamplingParams
 from services.router.config import RouterConfig
-from services.router.convert import response_pb, sampling_params_from_pb, sampling_params_to_pb
+from services.router.convert import response_pb
 from services.router.request import OutputPiece
 
 
@@ -18,6 +16,19 @@ def test_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert config.engines == ("127.0.0.1:1", "127.0.0.1:2")
     assert config.max_queued_requests == 7
     assert config.port == 0
+
+
+def test_duration_flags_and_environment_carry_their_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_TOKENIZE_TIMEOUT_S", "4.5")
+    config = RouterConfig.from_argv(
+        ["--shutdown-grace-s", "3", "--retry-after-s", "0.25", "--reconnect-max-backoff-s", "2"]
+    )
+    assert config.shutdown_grace_s == 3.0
+    assert config.retry_after_s == 0.25
+    assert config.tokenize_timeout_s == 4.5
+    assert config.reconnect_max_backoff_s == 2.0
+    with pytest.raises(SystemExit):  # the unitless spelling is gone, not silently ignored
+        RouterConfig.from_argv(["--grace", "3"])
 
 
 @pytest.mark.parametrize(
@@ -32,29 +43,15 @@ def test_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> N
         {"stream_max_interval": 0},
         {"stream_message_budget": 0.0},
         {"stream_max_hold_ms": float("nan")},
-        {"grace": -1.0},
-        {"reconnect_min_backoff": 2.0, "reconnect_max_backoff": 1.0},
+        {"shutdown_grace_s": -1.0},
+        {"retry_after_s": float("inf")},
+        {"tokenize_timeout_s": -0.5},
+        {"reconnect_min_backoff_s": 2.0, "reconnect_max_backoff_s": 1.0},
     ],
 )
 def test_config_rejects_bad_values(fields: dict) -> None:
     with pytest.raises(InvalidArgumentError):
         RouterConfig(**fields)
-
-
-def test_unset_params_take_defaults_and_round_trip() -> None:
-    params = sampling_params_from_pb(common_pb2.SamplingParams())
-    assert params == SamplingParams()
-    given = SamplingParams(
-        max_tokens=5, temperature=0.0, top_p=0.5, seed=3, stop=("x",), logprobs=2
-    )
-    assert sampling_params_from_pb(sampling_params_to_pb(given)) == given
-
-
-def test_bad_params_raise_invalid_argument() -> None:
-    with pytest.raises(InvalidArgumentError, match="top_p"):
-        sampling_params_from_pb(common_pb2.SamplingParams(top_p=0.0))
-    with pytest.raises(InvalidArgumentError, match="max_tokens"):
-        sampling_params_from_pb(common_pb2.SamplingParams(max_tokens=0))
 
 
 def test_response_sets_usage_only_on_the_last_piece() -> None:

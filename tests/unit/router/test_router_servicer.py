@@ -288,7 +288,7 @@ def test_queue_overflow_rejects_fast_with_retry_after() -> None:
         assert (await second)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
     run_stack(
-        check, engine=slow, max_inflight_per_engine=1, max_queued_requests=1, retry_after=0.25
+        check, engine=slow, max_inflight_per_engine=1, max_queued_requests=1, retry_after_s=0.25
     )
 
 
@@ -393,7 +393,7 @@ def test_router_reconnects_when_the_engine_comes_back() -> None:
         finally:
             await server.stop(None)
 
-    run_stack(check, reconnect_min_backoff=0.05, reconnect_max_backoff=0.2)
+    run_stack(check, reconnect_min_backoff_s=0.05, reconnect_max_backoff_s=0.2)
 
 
 @pytest.mark.parametrize("sessions", [True, False], ids=["session", "unary-fallback"])
@@ -472,9 +472,9 @@ def test_prompts_waiting_on_a_lost_tokenizer_fail_unavailable_and_the_session_re
     run_stack(
         check,
         tokenizer=SilentTokenizer(),
-        tokenize_timeout=30.0,
-        reconnect_min_backoff=0.05,
-        reconnect_max_backoff=0.2,
+        tokenize_timeout_s=30.0,
+        reconnect_min_backoff_s=0.05,
+        reconnect_max_backoff_s=0.2,
     )
 
 

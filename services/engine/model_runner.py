@@ -25,13 +25,13 @@ import torch
 
 from services.common.errors import InvalidArgumentError
 from services.common.model_files import ModelFiles
+from services.common.protocol.dummy_shapes import dummy_config
 from services.engine.backends.base import get_backend
 from services.engine.forward_batch import ScheduledBatch
-from services.engine.kernels.cpu_native import cpu_kernels as load_cpu_kernels
+from services.engine.kernels.cpu.cpu_native import cpu_kernels as load_cpu_kernels
 from services.engine.kv_cache import KVCache
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.layers.linear import pack_linear_layers
-from services.engine.loader.dummy_shapes import dummy_config
 from services.engine.loader.weights import build_model
 from services.engine.models.config import ModelConfig
 

@@ -50,7 +50,7 @@ def _paged_setup(seq_lens, query_lens, num_heads, kv_heads, head_dim, block_size
 @pytest.mark.parametrize("hidden", [64, 2048, 4096, 5000])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_reference(hidden: int, with_residual: bool) -> None:
-    from services.engine.kernels.rms_norm import rms_norm
+    from services.engine.kernels.triton.rms_norm import rms_norm
 
     x = torch.randn(37, hidden, device=DEVICE, dtype=DTYPE)
     residual = torch.randn(37, hidden, device=DEVICE, dtype=DTYPE) if with_residual else None
@@ -63,7 +63,7 @@ def test_rms_norm_matches_reference(hidden: int, with_residual: bool) -> None:
 
 @pytest.mark.parametrize("intermediate", [128, 8192, 14336, 1000])
 def test_swiglu_matches_reference(intermediate: int) -> None:
-    from services.engine.kernels.swiglu import swiglu
+    from services.engine.kernels.triton.swiglu import swiglu
 
     gate_up = torch.randn(19, 2 * intermediate, device=DEVICE, dtype=DTYPE)
     assert _relative_error(swiglu(gate_up), reference.swiglu_ref(gate_up)) < 1e-2
@@ -71,7 +71,7 @@ def test_swiglu_matches_reference(intermediate: int) -> None:
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (32, 8, 64), (9, 3, 64)])
 def test_rotary_kv_store_matches_reference(heads: int, kv_heads: int, head_dim: int) -> None:
-    from services.engine.kernels.rotary_kv_store import rotary_kv_store
+    from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
 
     tokens, block_size, num_blocks = 23, 16, 8
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=DTYPE)
@@ -103,7 +103,7 @@ def test_rotary_kv_store_matches_reference(heads: int, kv_heads: int, head_dim: 
 @pytest.mark.parametrize("seq_lens", [[1, 17, 300, 2048], [5000], [64, 0, 129]])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (32, 8, 64), (8, 8, 64)])
 def test_decode_attention_matches_reference(seq_lens, heads, kv_heads, head_dim) -> None:
-    from services.engine.kernels.decode_attention import paged_decode_attention
+    from services.engine.kernels.triton.decode_attention import paged_decode_attention
 
     generator = torch.Generator().manual_seed(sum(seq_lens) + heads)
     lengths_for_blocks = [max(1, length) for length in seq_lens]
@@ -133,7 +133,7 @@ def test_decode_attention_matches_reference(seq_lens, heads, kv_heads, head_dim)
 )
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 4, 64)])
 def test_prefill_attention_matches_reference(seq_lens, query_lens, heads, kv_heads, head_dim):
-    from services.engine.kernels.prefill_attention import paged_prefill_attention
+    from services.engine.kernels.triton.prefill_attention import paged_prefill_attention
 
     generator = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     query, key_cache, value_cache, tables, starts, lens = _paged_setup(
@@ -150,7 +150,7 @@ def test_prefill_attention_matches_reference(seq_lens, query_lens, heads, kv_hea
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (1000, 14336), (4096, 700)])
 def test_skinny_matmul_matches_reference(rows: int, n: int, k: int) -> None:
-    from services.engine.kernels.skinny_matmul import candidates, skinny_matmul
+    from services.engine.kernels.triton.skinny_matmul import candidates, skinny_matmul
 
     x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
     weight = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / k**0.5

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.kernels.decode_attention import choose_num_splits, paged_decode_attention
-from services.engine.kernels.prefill_attention import paged_prefill_attention
-from services.engine.kernels.rotary_kv_store import rotary_kv_store
+from services.engine.kernels.triton.decode_attention import choose_num_splits, paged_decode_attention
+from services.engine.kernels.triton.prefill_attention import paged_prefill_attention
+from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
 from services.engine.layers.attention_metadata import AttentionMetadata
 
 

@@ -19,10 +19,10 @@ import torch.nn.functional as functional
 from services.common.errors import InvalidArgumentError
 from services.engine.backends.cuda_attention import CudaPagedAttention
 from services.engine.cuda_graph import DEFAULT_BUCKETS, DecodeCudaGraphs
-from services.engine.kernels.rms_norm import rms_norm
-from services.engine.kernels.rotary_kv_store import rotary_kv_store
-from services.engine.kernels.skinny_matmul import pick_fastest, skinny_matmul
-from services.engine.kernels.swiglu import swiglu
+from services.engine.kernels.triton.rms_norm import rms_norm
+from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
+from services.engine.kernels.triton.skinny_matmul import pick_fastest, skinny_matmul
+from services.engine.kernels.triton.swiglu import swiglu
 from services.engine.layers.attention_metadata import AttentionMetadata
 
 

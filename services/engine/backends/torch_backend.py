@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.engine.backends.base import AttentionBackend, register_backend
-from services.engine.kernels.cpu_native import CpuKernels
+from services.engine.kernels.cpu.cpu_native import CpuKernels
 from services.engine.layers import cpu_attention
 from services.engine.layers.attention_metadata import AttentionMetadata
 

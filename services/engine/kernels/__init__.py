@@ -1,10 +1,10 @@
-"""Triton kernels of the CUDA fast path, one kernel per module, each with a PyTorch reference.
+"""The engine's hand-written kernels, by device.
 
-Modules: rms_norm (fused residual add + RMSNorm), swiglu (silu(gate) * up), rotary_kv_store
-(rotary embedding of q/k fused with the paged KV-cache write), decode_attention (split-K
-flash-decoding over the paged cache), prefill_attention (varlen causal attention over a cached
-prefix), reference (plain-PyTorch versions of all of them). Triton is imported only by the
-kernel modules, so this package imports on machines without it.
+triton/ holds the Triton kernels of the CUDA fast path (one kernel per module); cpu/ holds the
+native C++ kernels of the CPU path and their ctypes builder; reference.py holds plain-PyTorch
+versions of the Triton kernels, the readable statement of what each computes, which the tests
+compare against. Triton is imported only by the kernel modules, so this package imports on
+machines without it.
 """
 
 from __future__ import annotations

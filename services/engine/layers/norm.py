@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.kernels.cpu_native import CpuKernels
+from services.engine.kernels.cpu.cpu_native import CpuKernels
 
 
 class RMSNorm(nn.Module):

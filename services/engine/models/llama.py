@@ -18,7 +18,7 @@ from torch import nn
 
 from services.common.errors import FailedPreconditionError
 from services.engine.backends.base import AttentionBackend
-from services.engine.kernels.cpu_native import CpuKernels
+from services.engine.kernels.cpu.cpu_native import CpuKernels
 from services.engine.layers.activation import SiluAndMul
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.layers.linear import pack_weight, packed_linear

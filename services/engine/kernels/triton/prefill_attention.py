@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.paged_kv import load_kv_tile
+from services.engine.kernels.triton.paged_kv import load_kv_tile
 
 _LOG2E = 1.4426950408889634
 

@@ -13,7 +13,7 @@ import torch
 
 from services.engine.backends import torch_backend
 from services.engine.backends.torch_backend import TorchAttentionBackend
-from services.engine.kernels.cpu_native import cpu_kernels
+from services.engine.kernels.cpu.cpu_native import cpu_kernels
 from services.engine.layers.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 16

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels import cpu_native
+from services.engine.kernels.cpu import cpu_native
 from services.engine.layers.rotary import RotaryEmbedding
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]

@@ -84,7 +84,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     )
     generate.add_argument("--adapter", help="LoRA adapter name")
     generate.add_argument("--api-key", help="API key, when the router requires one")
-    generate.add_argument("--timeout", type=float, help="deadline of the call in seconds")
+    generate.add_argument("--timeout-s", type=float, help="deadline of the call in seconds")
 
 
 def _add_up(commands: argparse._SubParsersAction) -> None:
@@ -95,8 +95,8 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         "(restarted on a crash; --no-ray: plain processes), shared state in Redis (--redis-url, "
         "else a private redis-server with a random password, else in memory). Prints the "
         "router address when ready, stops all cleanly on Ctrl-C/SIGTERM. Unknown flags are "
-        "passed to the router (e.g. --grace, --retry-after, --redis-api-keys to require keys "
-        "made with `sluice keys add`).",
+        "passed to the router (e.g. --shutdown-grace-s, --retry-after-s, --redis-api-keys to "
+        "require keys made with `sluice keys add`).",
     )
     up.add_argument(
         "--no-ray", action="store_true", help="run engines as plain processes, not Ray actors"
@@ -133,13 +133,13 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         help='more engine flags as one string, e.g. --engine-args="--max-model-len 4096"',
     )
     up.add_argument(
-        "--startup-timeout",
+        "--startup-timeout-s",
         type=float,
         default=600.0,
         help="seconds to wait for every service to report SERVING (default: %(default)s)",
     )
     up.add_argument(
-        "--stop-grace",
+        "--stop-grace-s",
         type=float,
         default=30.0,
         help="seconds a stopping service gets before SIGKILL (default: %(default)s)",
@@ -171,8 +171,8 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
             engines=1 if namespace.engines is None else namespace.engines,
             router_args=(*router_args, *extra_router_args),
             engine_args=(*engine_args, *shlex.split(namespace.engine_args)),
-            startup_timeout_s=namespace.startup_timeout,
-            stop_grace_s=namespace.stop_grace,
+            startup_timeout_s=namespace.startup_timeout_s,
+            stop_grace_s=namespace.stop_grace_s,
             ray=not namespace.no_ray,
             ray_cluster=_ray_config(namespace),
             shared_state=not namespace.no_redis,
@@ -229,7 +229,7 @@ def run_generate(namespace: argparse.Namespace) -> int:
         "seed": namespace.seed,
         "stop": namespace.stop,
         "adapter": namespace.adapter,
-        "timeout": namespace.timeout,
+        "timeout_s": namespace.timeout_s,
     }
     if namespace.chat:
         turns = [("system", namespace.system)] if namespace.system else []

@@ -118,20 +118,20 @@ class SluiceClient:
         target: str = "127.0.0.1:50051",
         *,
         api_key: str | None = None,
-        timeout: float | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._api_key = api_key
-        self._timeout = timeout
+        self._timeout_s = timeout_s
 
     def generate(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs: Any
     ) -> Iterator[router_pb2.GenerateResponse]:
         """Stream responses; closing the iterator early cancels the call."""
         request = build_request(prompt, **kwargs)
         call = self._stub.Generate(
-            request, timeout=timeout or self._timeout, metadata=_metadata(self._api_key)
+            request, timeout=timeout_s or self._timeout_s, metadata=_metadata(self._api_key)
         )
         try:
             yield from call
@@ -151,10 +151,10 @@ class SluiceClient:
             completion.add(response)
         return completion
 
-    def list_models(self, *, timeout: float | None = None) -> list[router_pb2.ModelInfo]:
+    def list_models(self, *, timeout_s: float | None = None) -> list[router_pb2.ModelInfo]:
         reply = self._stub.ListModels(
             router_pb2.ListModelsRequest(),
-            timeout=timeout or self._timeout,
+            timeout=timeout_s or self._timeout_s,
             metadata=_metadata(self._api_key),
         )
         return list(reply.models)
@@ -177,20 +177,20 @@ class AsyncSluiceClient:
         target: str = "127.0.0.1:50051",
         *,
         api_key: str | None = None,
-        timeout: float | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._api_key = api_key
-        self._timeout = timeout
+        self._timeout_s = timeout_s
 
     async def generate(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs: Any
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream responses; leaving the loop early cancels the call."""
         request = build_request(prompt, **kwargs)
         call = self._stub.Generate(
-            request, timeout=timeout or self._timeout, metadata=_metadata(self._api_key)
+            request, timeout=timeout_s or self._timeout_s, metadata=_metadata(self._api_key)
         )
         try:
             async for response in call:
@@ -210,10 +210,10 @@ class AsyncSluiceClient:
             completion.add(response)
         return completion
 
-    async def list_models(self, *, timeout: float | None = None) -> list[router_pb2.ModelInfo]:
+    async def list_models(self, *, timeout_s: float | None = None) -> list[router_pb2.ModelInfo]:
         reply = await self._stub.ListModels(
             router_pb2.ListModelsRequest(),
-            timeout=timeout or self._timeout,
+            timeout=timeout_s or self._timeout_s,
             metadata=_metadata(self._api_key),
         )
         return list(reply.models)

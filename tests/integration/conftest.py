@@ -66,7 +66,7 @@ def router_address(stack: Stack) -> str:
 def client(router_address: str) -> Iterator[Any]:
     from services.client import SluiceClient
 
-    with SluiceClient(router_address, timeout=120.0) as sluice_client:
+    with SluiceClient(router_address, timeout_s=120.0) as sluice_client:
         yield sluice_client
 
 

@@ -34,7 +34,7 @@ def test_sluice_up_with_ray_and_redis_serves_then_stops_everything() -> None:
         assert any("redis-server" in command for command in commands)
         assert any("raylet" in command for command in commands)
         assert any("--redis-url" in command and "router" in command for command in commands)
-        with SluiceClient(f"127.0.0.1:{port}", timeout=60.0) as client:
+        with SluiceClient(f"127.0.0.1:{port}", timeout_s=60.0) as client:
             completion = client.complete("Hello", max_tokens=5, temperature=0.0, ignore_eos=True)
         assert completion.completion_tokens == 5
         process.send_signal(signal.SIGTERM)

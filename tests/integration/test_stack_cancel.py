@@ -51,7 +51,7 @@ def test_cancel_fifty_streams_at_random_points_frees_all_blocks(stack: Stack) ->
         return received
 
     async def scenario() -> list[int]:
-        async with AsyncSluiceClient(stack.router_address, timeout=120.0) as client:
+        async with AsyncSluiceClient(stack.router_address, timeout_s=120.0) as client:
             return await asyncio.gather(*(one(client, i) for i in range(NUM_STREAMS)))
 
     received = asyncio.run(scenario())
@@ -60,7 +60,7 @@ def test_cancel_fifty_streams_at_random_points_frees_all_blocks(stack: Stack) ->
     # The stack still serves normally afterwards.
     from services.client import SluiceClient
 
-    with SluiceClient(stack.router_address, timeout=60.0) as client:
+    with SluiceClient(stack.router_address, timeout_s=60.0) as client:
         completion = client.complete("Hello", max_tokens=4, temperature=0.0, ignore_eos=True)
     assert completion.completion_tokens == 4
     assert wait_for_free_blocks(engine, initial) == initial

@@ -30,7 +30,7 @@ def test_generate_streams_the_same_text_as_the_client(router_address: str) -> No
         "The capital of France is",
     )
     assert result.returncode == 0, result.stderr
-    with SluiceClient(router_address, timeout=60.0) as client:
+    with SluiceClient(router_address, timeout_s=60.0) as client:
         expected = client.complete("The capital of France is", max_tokens=8, temperature=0.0)
     assert result.stdout == expected.text + "\n"
     assert expected.text.strip()
@@ -65,6 +65,6 @@ def test_generate_bad_parameter_prints_status_and_fails(router_address: str) -> 
 
 
 def test_generate_unreachable_router_is_unavailable() -> None:
-    result = sluice("generate", "--target", "127.0.0.1:1", "--timeout", "5", "Hello")
+    result = sluice("generate", "--target", "127.0.0.1:1", "--timeout-s", "5", "Hello")
     assert result.returncode != 0
     assert result.stderr.startswith("error: UNAVAILABLE: "), result.stderr

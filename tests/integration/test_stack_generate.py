@@ -138,7 +138,7 @@ def test_tokens_held_for_pacing_stream_the_same_text_and_stops_still_cut(
         ("Emoji: 😀😃😄😁😆😅 again: 😀😃😄", {"temperature": 0.0}),
         ("日本語と絵文字 🎌🍣:", {"temperature": 1.5, "seed": 3}),  # byte-fallback pieces
     ]
-    with SluiceClient(paced_stack.router_address, timeout=120.0) as paced:
+    with SluiceClient(paced_stack.router_address, timeout_s=120.0) as paced:
         for prompt, sampling in cases:
             kwargs = {"max_tokens": 22, "ignore_eos": True, **sampling}
             _, reference = stream(client, prompt, **kwargs)

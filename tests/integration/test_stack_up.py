@@ -33,7 +33,7 @@ def test_sluice_up_serves_then_stops_everything_on_sigterm() -> None:
         assert ready.strip() == f"Sluice router ready at 127.0.0.1:{port}"
         children = child_pids(process.pid)
         assert len(children) == 4  # tokenizer, two engines, router
-        with SluiceClient(f"127.0.0.1:{port}", timeout=60.0) as client:
+        with SluiceClient(f"127.0.0.1:{port}", timeout_s=60.0) as client:
             completion = client.complete("Hello", max_tokens=5, temperature=0.0, ignore_eos=True)
             models = client.list_models()
         assert completion.completion_tokens == 5

@@ -43,7 +43,7 @@ def test_subcommand_help_lists_its_flags(command: str, capsys: pytest.CaptureFix
         "--seed",
         "--stop",
         "--adapter",
-        "--timeout",
+        "--timeout-s",
     ]
     if command == "up":
         flags = [
@@ -53,6 +53,8 @@ def test_subcommand_help_lists_its_flags(command: str, capsys: pytest.CaptureFix
             "--host",
             "--api-keys-file",
             "--max-queued-requests",
+            "--startup-timeout-s",
+            "--stop-grace-s",
         ]
     for flag in flags:
         assert flag in text
@@ -169,8 +171,10 @@ def test_up_builds_the_stack_config(
             "7",
             "--kv-cache-bytes",
             "1000",
-            "--grace",
+            "--shutdown-grace-s",
             "3",
+            "--stop-grace-s",
+            "7.5",
             "--engine-args",
             "--max-model-len 256",
         ]
@@ -178,7 +182,8 @@ def test_up_builds_the_stack_config(
     assert code == 0
     config = configs[0]
     assert (config.port, config.model, config.engines) == (6000, "dummy:tiny", 2)
-    assert config.router_args == ("--max-queued-requests", "7", "--grace", "3")
+    assert config.router_args == ("--max-queued-requests", "7", "--shutdown-grace-s", "3")
+    assert config.stop_grace_s == 7.5
     assert config.engine_args == ("--kv-cache-bytes", "1000", "--max-model-len", "256")
     assert capsys.readouterr().out == "Sluice router ready at 127.0.0.1:6000\n"
 

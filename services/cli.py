@@ -19,6 +19,7 @@ import shlex
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from services.common.processes import exit_with_parent
 
@@ -120,6 +121,27 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         type=int,
         help="engine workers (default: with Ray one per GPU it sees, else 1; --no-ray: 1)",
     )
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="Prometheus /metrics: the launcher's own (child restarts) on this port, the "
+        "router's on +1, engine process i's on +2+i (--no-ray); 0 turns them off "
+        "(default: %(default)s)",
+    )
+    up.add_argument(
+        "--max-crashes",
+        type=int,
+        default=5,
+        help="a child that crashes this often within --crash-window-s stops the stack; "
+        "fewer crashes are restarted with backoff (default: %(default)s)",
+    )
+    up.add_argument(
+        "--crash-window-s",
+        type=float,
+        default=60.0,
+        help="the window of --max-crashes, in seconds (default: %(default)s)",
+    )
     up.add_argument("--api-keys-file", help="router: file with one API key per line")
     up.add_argument("--max-queued-requests", type=int, help="router: queue bound (requests)")
     up.add_argument("--max-queued-tokens", type=int, help="router: queue bound (prompt tokens)")
@@ -156,8 +178,10 @@ def _flag_pairs(namespace: argparse.Namespace, names: Sequence[str]) -> list[str
 
 
 def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> int:
+    from services.common.env import cache_dir
     from services.common.errors import SluiceError
     from services.launcher import Stack, StackConfig
+    from services.supervisor import RestartPolicy
 
     router_args = _flag_pairs(
         namespace, ("api_keys_file", "max_queued_requests", "max_queued_tokens")
@@ -177,6 +201,11 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
             ray_cluster=_ray_config(namespace),
             shared_state=not namespace.no_redis,
             redis_url=namespace.redis_url,
+            redis_data_dir=Path(cache_dir()) / "redis",
+            restart_policy=RestartPolicy(
+                max_crashes=namespace.max_crashes, crash_window_s=namespace.crash_window_s
+            ),
+            metrics_port=namespace.metrics_port or None,
         )
         stack = Stack(config)
         if namespace.no_redis and namespace.redis_url:

@@ -9,7 +9,9 @@ process per role. The launcher
   their gRPC health says SERVING, then starts the router and waits for it too;
 - stops everything cleanly: the router first (it drains), then engines and tokenizer; each child
   gets SIGTERM, then SIGKILL after a grace period;
-- reports a child that dies unexpectedly by name and exit code.
+- while it runs (`run_until_signal`), supervises every child it started (services/supervisor.py):
+  a child that exits unexpectedly (tokenizer, router, engine process, private redis-server) is
+  restarted on the same port with backoff, and only a crash loop stops the stack (exit code 1).
 
 It is used by `sluice up` and by the integration test fixture (tests/integration/conftest.py).
 Two ways to run engines: plain processes (the default of `StackConfig`, fast to start; what most
@@ -34,10 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from services.common.ports import free_port
 from services.common.processes import tied_env
 from services.common.redis_server import LocalRedisServer, redis_for_stack
+from services.supervisor import CrashLoopError, RestartPolicy, Supervisor
 
 if TYPE_CHECKING:  # Ray and the engine worker load only when Ray engines are asked for
     from services.ray_cluster import RayCluster, RayClusterConfig
@@ -65,6 +72,11 @@ class StackConfig:
     ray_cluster: RayClusterConfig | None = None  # Ray flags (address, restarts, ...)
     shared_state: bool = False  # a Redis for registry/keys/limits/idempotency (see module doc)
     redis_url: str | None = None  # an existing Redis; None with shared_state: a private one
+    redis_data_dir: Path | None = None  # where a private Redis persists (None: not persisted)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)  # for crashed children
+    # Prometheus ports: the launcher's own /metrics (restarts) on metrics_port, the router's on
+    # metrics_port + 1, engine process i's on metrics_port + 2 + i. None: no metrics endpoints.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.engines, bool) or not isinstance(self.engines, int):
@@ -73,6 +85,8 @@ class StackConfig:
             raise InvalidArgumentError(f"engines must be >= 1, got {self.engines}")
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536 - 2 - self.engines:
+            raise InvalidArgumentError(f"metrics_port out of range: {self.metrics_port}")
         if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
             raise InvalidArgumentError("startup_timeout_s must be > 0 and stop_grace_s >= 0")
 
@@ -86,9 +100,20 @@ class ChildProcess:
     process: subprocess.Popen[bytes]
     log_path: Path | None = None
     _log_file: IO[bytes] | None = field(default=None, repr=False)
+    command: tuple[str, ...] = ()  # what started it: a restart runs the same (same port)
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def restart(self) -> None:
+        """Start the same command again after the process exited; its log is appended to."""
+        if self.alive():
+            raise FailedPreconditionError(f"{self.name} is still running")
+        self.close_log()
+        self.process, self._log_file = _popen(self.command, self.log_path, append=True)
 
     def log_tail(self, max_chars: int = 4000) -> str:
         """The end of the child's log file (empty when it logs to the terminal)."""
@@ -141,12 +166,21 @@ def spawn_service(
         *argv,
     ]
     log_path: Path | None = None
-    log_file: IO[bytes] | None = None
     if config.log_dir is not None:
         config.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = config.log_dir / f"{name}.log"
-        log_file = open(log_path, "wb")  # noqa: SIM115 - closed in ChildProcess.close_log
     log.info("starting %s: %s", name, " ".join(command))
+    process, log_file = _popen(command, log_path)
+    return ChildProcess(name, f"{host}:{port}", process, log_path, log_file, tuple(command))
+
+
+def _popen(
+    command: Sequence[str], log_path: Path | None, *, append: bool = False
+) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
+    """Start one service process, logging to `log_path` (else this process's stderr)."""
+    log_file: IO[bytes] | None = None
+    if log_path is not None:
+        log_file = open(log_path, "ab" if append else "wb")  # noqa: SIM115 - ChildProcess closes
     process = subprocess.Popen(
         command,
         # Without a log directory, children log to this process's stderr: stdout carries only
@@ -161,7 +195,7 @@ def spawn_service(
         # (services/common/processes.py says why not from here).
         env=tied_env(),
     )
-    return ChildProcess(name, f"{host}:{port}", process, log_path, log_file)
+    return process, log_file
 
 
 def start_engine_processes(config: StackConfig, model: ModelSpec) -> list[ChildProcess]:
@@ -172,10 +206,17 @@ def start_engine_processes(config: StackConfig, model: ModelSpec) -> list[ChildP
             f"engine-{index}",
             "engine",
             free_port(),
-            [*model.flags(), *config.engine_args],
+            [*model.flags(), *metrics_flags(config, 2 + index), *config.engine_args],
         )
         for index in range(config.engines)
     ]
+
+
+def metrics_flags(config: StackConfig, offset: int) -> list[str]:
+    """`--metrics-port` for the child at `offset` from the stack's metrics port (if any)."""
+    if config.metrics_port is None:
+        return []
+    return ["--metrics-port", str(config.metrics_port + offset)]
 
 
 class Stack:
@@ -231,6 +272,10 @@ class Stack:
         config = self.config
         model = ModelSpec(config.model)
         prepare_model(config.model)
+        if config.metrics_port is not None:
+            from services.common.metrics import start_metrics_server
+
+            start_metrics_server(config.metrics_port, addr=config.host)
         deadline = time.monotonic() + config.startup_timeout_s
         self.tokenizer = spawn_service(
             config,
@@ -240,7 +285,9 @@ class Stack:
             [*model.flags(), *config.tokenizer_args],
         )
         if config.shared_state or config.redis_url:
-            self.redis_url, self.redis_server = redis_for_stack(config.redis_url)
+            self.redis_url, self.redis_server = redis_for_stack(
+                config.redis_url, config.redis_data_dir
+            )
         if config.ray:
             self._start_ray_engines(model)
         else:
@@ -259,7 +306,7 @@ class Stack:
             "router",
             "router",
             router_port,
-            [*flags, *config.router_args],
+            [*flags, *metrics_flags(config, 1), *config.router_args],
             host=config.host,
         )
         wait_until_serving(self.router, deadline)
@@ -304,22 +351,38 @@ class Stack:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    def supervisor(self, announce: Callable[[str], None] = print) -> Supervisor:
+        """A supervisor watching every child this stack started (Ray restarts its engines)."""
+        supervisor = Supervisor(self.config.restart_policy, announce=announce)
+        for child in self.children:
+            supervisor.watch(
+                child.name, alive=child.alive, exit_code=child.exit_code, restart=child.restart
+            )
+        redis_server = self.redis_server
+        if redis_server is not None:
+            supervisor.watch(
+                "redis-server",
+                alive=redis_server.running,
+                exit_code=lambda: redis_server.process.poll(),
+                restart=redis_server.restart,
+            )
+        return supervisor
+
     def run_until_signal(self, announce: Callable[[str], None] = print) -> int:
-        """Serve until SIGINT/SIGTERM (exit code 0) or a child dies (reported; exit code 1)."""
+        """Serve until SIGINT/SIGTERM (exit code 0), restarting crashed children; a crash loop
+        stops the stack (reported; exit code 1)."""
         stop_requested = threading.Event()
         previous = {
             signum: signal.signal(signum, lambda *_: stop_requested.set())
             for signum in (signal.SIGINT, signal.SIGTERM)
         }
+        supervisor = self.supervisor(announce)
         try:
             while not stop_requested.wait(0.2):
-                dead = self.dead_children()
-                if dead:
-                    for child in dead:
-                        announce(
-                            f"sluice: {child.name} ({child.address}) exited unexpectedly "
-                            f"with code {child.process.returncode}"
-                        )
+                try:
+                    supervisor.poll()
+                except CrashLoopError as exc:
+                    announce(f"sluice: {exc.message}")
                     return 1
             announce("sluice: stopping")
             return 0

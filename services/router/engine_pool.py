@@ -21,6 +21,7 @@ import grpc
 from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
 from services.common import hop_trace
 from services.common.errors import UnavailableError
+from services.common.grpc_channel import CHANNEL_OPTIONS
 from services.router.discovery import EngineDiscovery
 from services.router.dispatch import EngineCapacity
 
@@ -28,11 +29,6 @@ log = logging.getLogger(__name__)
 
 StepHandler = Callable[[str, engine_pb2.EngineStep], None]
 LostHandler = Callable[[str], None]
-
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-]
 
 
 class EngineConnection:
@@ -47,7 +43,7 @@ class EngineConnection:
         *,
         max_inflight: int = 0,
         min_backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
+        max_backoff_s: float = 1.0,
     ) -> None:
         self.engine_id = address
         self.address = address
@@ -58,7 +54,7 @@ class EngineConnection:
         self._on_ready = on_ready
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._submits: list[engine_pb2.SubmitRequest] = []
         self._aborts: list[str] = []
@@ -196,7 +192,7 @@ class EnginePool:
         *,
         max_inflight: int = 0,
         min_backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
+        max_backoff_s: float = 1.0,
     ) -> None:
         self._discovery = discovery
         self._on_step = on_step

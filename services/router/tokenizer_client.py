@@ -32,6 +32,7 @@ from services.common.errors import (
     SluiceError,
     UnavailableError,
 )
+from services.common.grpc_channel import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class TokenizerClient:
         *,
         tokenize_timeout_s: float = 10.0,
         min_backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
+        max_backoff_s: float = 1.0,
     ) -> None:
         self.address = address
         self._on_response = on_response
@@ -103,13 +104,7 @@ class TokenizerClient:
         self._tokenize_timeout_s = tokenize_timeout_s
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ],
-        )
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._detokenize_outbox = _Outbox()
         self._task: asyncio.Task | None = None

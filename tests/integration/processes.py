@@ -10,7 +10,10 @@ from pathlib import Path
 
 from services.common.ports import free_port
 
-TINY_UP_ARGS = ("--model", "dummy:tiny", "--engines", "2", "--kv-cache-bytes", str(8 * 1024**2))
+TINY_UP_ARGS = (
+    *("--model", "dummy:tiny", "--engines", "2", "--kv-cache-bytes", str(8 * 1024**2)),
+    *("--metrics-port", "0"),  # no fixed ports: a test may start while an earlier stack drains
+)
 
 
 def child_pids(parent: int) -> list[int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.client import SluiceClient
-from services.launcher import Stack
+from services.launcher import Stack, wait_until_serving
 from tests.integration.processes import child_pids, start_sluice_up, wait_until_gone
 
 TINY_ENGINE_ARGS = ("--kv-cache-bytes", str(8 * 1024 * 1024))
@@ -48,16 +48,23 @@ def test_sluice_up_serves_then_stops_everything_on_sigterm() -> None:
 
 
 @pytest.mark.slow
-def test_launcher_reports_a_child_that_dies(stack_factory) -> None:  # noqa: ANN001
+def test_launcher_restarts_a_child_that_dies_on_its_port(stack_factory) -> None:  # noqa: ANN001
     stack: Stack = stack_factory(model="dummy:tiny", engine_args=TINY_ENGINE_ARGS)
     victim = stack.engines[0]
-    others = [child for child in stack.children if child is not victim]
-    os.kill(victim.process.pid, signal.SIGKILL)
+    address, pid = victim.address, victim.process.pid
     lines: list[str] = []
-    assert stack.run_until_signal(lines.append) == 1
-    assert len(lines) == 1
+    supervisor = stack.supervisor(lines.append)
+    os.kill(pid, signal.SIGKILL)
+    victim.process.wait()
+    deadline = time.monotonic() + 30
+    while supervisor.restarts("engine-0") == 0 and time.monotonic() < deadline:
+        supervisor.poll()
+        time.sleep(0.05)
     assert "engine-0" in lines[0] and "exited unexpectedly" in lines[0] and "-9" in lines[0]
-    assert all(not child.alive() for child in others)
+    assert "restarted" in lines[1]
+    assert victim.alive() and victim.process.pid != pid and victim.address == address
+    assert all(child.alive() for child in stack.children)
+    wait_until_serving(victim, time.monotonic() + 60)  # same port, serving again
 
 
 def test_bad_model_fails_before_starting_children(tmp_path: Path) -> None:

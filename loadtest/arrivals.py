@@ -7,7 +7,7 @@ schedule. Kinds:
 - ``exponential``: Poisson arrivals, exponential inter-arrival times with mean 1/rate.
 - ``gamma``: gamma inter-arrival times with shape = burstiness B and mean 1/rate, so the
   coefficient of variation is 1/sqrt(B): B = 1 is Poisson, B < 1 burstier, B > 1 smoother.
-Either a count (``num_requests``) or a length (``duration``: every arrival before it) ends it.
+Either a count (``num_requests``) or a length (``duration_s``: every arrival before it) ends it.
 """
 
 from __future__ import annotations
@@ -40,30 +40,30 @@ def arrival_times(
     rate: float,
     *,
     num_requests: int | None = None,
-    duration: float | None = None,
+    duration_s: float | None = None,
     burstiness: float = 1.0,
     seed: int = 0,
 ) -> list[float]:
     """Send times (seconds from the start, non-decreasing, first one 0.0)."""
-    if (num_requests is None) == (duration is None):
-        raise InvalidArgumentError("give exactly one of num_requests and duration")
+    if (num_requests is None) == (duration_s is None):
+        raise InvalidArgumentError("give exactly one of num_requests and duration_s")
     _check(kind, rate, burstiness)
     if num_requests is not None:
         if num_requests < 1:
             raise InvalidArgumentError(f"num_requests must be >= 1, got {num_requests}")
         gaps = inter_arrival_times(kind, rate, num_requests - 1, burstiness=burstiness, seed=seed)
         return [0.0, *np.cumsum(gaps).tolist()]
-    if duration is None or duration <= 0:
-        raise InvalidArgumentError(f"duration must be > 0 seconds, got {duration}")
+    if duration_s is None or duration_s <= 0:
+        raise InvalidArgumentError(f"duration_s must be > 0 seconds, got {duration_s}")
     times = [0.0]
-    # Draw in chunks from one generator until the schedule passes the duration.
+    # Draw in chunks from one generator until the schedule passes duration_s.
     rng_seed = seed
-    while times[-1] < duration:
-        expected = int((duration - times[-1]) * rate * 1.2) + 16
+    while times[-1] < duration_s:
+        expected = int((duration_s - times[-1]) * rate * 1.2) + 16
         gaps = inter_arrival_times(kind, rate, expected, burstiness=burstiness, seed=rng_seed)
         rng_seed += 1_000_003
         times.extend((times[-1] + np.cumsum(gaps)).tolist())
-    return [t for t in times if t < duration]
+    return [t for t in times if t < duration_s]
 
 
 def _check(kind: str, rate: float, burstiness: float) -> None:

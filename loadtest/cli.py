@@ -64,13 +64,13 @@ def run_bench(config: BenchConfig) -> int:
     """Run one load test; print the summary; write the report when --out is set."""
     config = _fit_to_served_model(config)
     num_requests = config.num_requests
-    if num_requests is None and config.duration is None:
+    if num_requests is None and config.duration_s is None:
         num_requests = _DEFAULT_NUM_REQUESTS
     times = arrival_times(
         config.arrival,
         config.rate,
         num_requests=num_requests,
-        duration=config.duration,
+        duration_s=config.duration_s,
         burstiness=config.burstiness,
         seed=config.seed,
     )
@@ -84,7 +84,7 @@ def run_bench(config: BenchConfig) -> int:
         if record.status != "OK":
             bar.set_postfix_str(f"last error {record.status}", refresh=False)
 
-    scraper = Scraper(list(config.metrics_url), config.scrape_interval)
+    scraper = Scraper(list(config.metrics_url), config.scrape_interval_s)
     scraper.start()
     try:
         result = run(

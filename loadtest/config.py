@@ -32,9 +32,9 @@ class BenchConfig:
     rate: float = field(1.0, help="mean request rate, requests/s")
     burstiness: float = field(1.0, help="gamma shape B (CV = 1/sqrt(B)); 1 = Poisson")
     num_requests: int | None = field(
-        None, help="number of requests (default 100 unless --duration)"
+        None, help="number of requests (default 100 unless --duration-s)"
     )
-    duration: float | None = field(None, help="schedule requests for this many seconds instead")
+    duration_s: float | None = field(None, help="schedule requests for this many seconds instead")
     max_concurrency: int | None = field(None, help="at most this many requests in flight")
     seed: int = field(0, help="seed of arrivals and dataset")
     dataset: str = field("synthetic", help=f"dataset: {', '.join(DATASETS)}")
@@ -55,9 +55,9 @@ class BenchConfig:
     out: str | None = field(None, help="write the JSON report here (+ .md and PNG plots)")
     workers: int = field(1, help="load-generator processes")
     metrics_url: tuple[str, ...] = field((), help="comma-separated /metrics URLs to scrape")
-    scrape_interval: float = field(0.5, help="seconds between metric scrapes")
+    scrape_interval_s: float = field(0.5, help="seconds between metric scrapes")
     grpc_channels: int = field(4, help="gRPC channels per load-generator process")
-    timeout: float = field(600.0, help="per-request timeout in seconds")
+    timeout_s: float = field(600.0, help="per-request timeout in seconds")
     temperature: float = field(0.0, help="sampling temperature sent with each request")
     lag_warning_ms: float = field(50.0, help="warn when a request leaves this late")
     progress: bool = field(True, help="show a progress bar")
@@ -65,18 +65,18 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if (self.target is None) == (self.openai_url is None):
             raise InvalidArgumentError("give exactly one of --target HOST:PORT and --openai-url")
-        if self.num_requests is not None and self.duration is not None:
-            raise InvalidArgumentError("give --num-requests or --duration, not both")
+        if self.num_requests is not None and self.duration_s is not None:
+            raise InvalidArgumentError("give --num-requests or --duration-s, not both")
         if self.num_requests is not None and self.num_requests < 1:
             raise InvalidArgumentError(f"--num-requests must be >= 1, got {self.num_requests}")
-        if self.duration is not None and not self.duration > 0:
-            raise InvalidArgumentError(f"--duration must be > 0, got {self.duration}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise InvalidArgumentError(f"--duration-s must be > 0, got {self.duration_s}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise InvalidArgumentError("--max-concurrency must be >= 1")
         if self.workers < 1 or self.grpc_channels < 1:
             raise InvalidArgumentError("--workers and --grpc-channels must be >= 1")
-        if not self.timeout > 0 or not self.scrape_interval > 0:
-            raise InvalidArgumentError("--timeout and --scrape-interval must be > 0")
+        if not self.timeout_s > 0 or not self.scrape_interval_s > 0:
+            raise InvalidArgumentError("--timeout-s and --scrape-interval-s must be > 0")
         parse_slo(self.slo)
 
     @property
@@ -107,7 +107,7 @@ class BenchConfig:
             openai_url=self.openai_url,
             model=self.model,
             grpc_channels=self.grpc_channels,
-            timeout_s=self.timeout,
+            timeout_s=self.timeout_s,
             temperature=self.temperature,
             api_key=self.api_key,
         )

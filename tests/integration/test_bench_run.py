@@ -32,7 +32,7 @@ def _bench(router_address: str, out: Path, *extra: str) -> dict:
             "--out",
             str(out),
             "--no-progress",
-            "--timeout",
+            "--timeout-s",
             "120",
             *extra,
         ]
@@ -114,7 +114,7 @@ def test_router_and_engine_metrics_are_scraped_and_plotted(
         "16",
         "--metrics-url",
         urls,
-        "--scrape-interval",
+        "--scrape-interval-s",
         "0.2",
     )
     assert {r["status"] for r in report["requests"]} == {"OK"}

@@ -18,9 +18,9 @@ def test_constant_arrivals_are_exactly_spaced() -> None:
 
 
 def test_duration_keeps_every_arrival_before_it() -> None:
-    times = arrival_times("constant", 4.0, duration=3.0)
+    times = arrival_times("constant", 4.0, duration_s=3.0)
     assert times == pytest.approx([i * 0.25 for i in range(12)])
-    poisson = arrival_times("exponential", 50.0, duration=10.0, seed=3)
+    poisson = arrival_times("exponential", 50.0, duration_s=10.0, seed=3)
     assert max(poisson) < 10.0
     assert 400 < len(poisson) < 600  # 500 expected, sd ~22
 
@@ -66,9 +66,9 @@ def test_same_seed_same_schedule_other_seed_differs() -> None:
         {"kind": "constant", "rate": float("inf"), "num_requests": 3},
         {"kind": "gamma", "rate": 1.0, "num_requests": 3, "burstiness": 0.0},
         {"kind": "constant", "rate": 1.0},
-        {"kind": "constant", "rate": 1.0, "num_requests": 3, "duration": 2.0},
+        {"kind": "constant", "rate": 1.0, "num_requests": 3, "duration_s": 2.0},
         {"kind": "constant", "rate": 1.0, "num_requests": 0},
-        {"kind": "constant", "rate": 1.0, "duration": -1.0},
+        {"kind": "constant", "rate": 1.0, "duration_s": -1.0},
     ],
 )
 def test_bad_schedules_are_invalid_arguments(kwargs: dict) -> None:

@@ -34,7 +34,7 @@ def bench(server: OpenAIFixtureServer, out: Path, *extra: str) -> int:
             str(out),
             "--metrics-url",
             f"{server.url}/metrics",
-            "--scrape-interval",
+            "--scrape-interval-s",
             "0.05",
             "--no-progress",
             *extra,

@@ -36,6 +36,7 @@ from services.common.errors import (
     NotFoundError,
     SluiceError,
 )
+from services.common.protocol.dummy_shapes import DUMMY_SHAPES
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,6 @@ def _default_model() -> ModelFiles:
 
 
 def _dummy_model(shape: str) -> ModelFiles:
-    from services.engine.loader.dummy_shapes import DUMMY_SHAPES
-
     if shape not in DUMMY_SHAPES:
         known = ", ".join(sorted(DUMMY_SHAPES))
         raise InvalidArgumentError(f"unknown dummy shape {shape!r}; known shapes: {known}")

@@ -29,9 +29,9 @@ from typing import Protocol
 
 from services.common import hop_trace
 from services.common.errors import SluiceError
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import FORWARD_THREAD_POLICIES
 from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta, StepOutput
-from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

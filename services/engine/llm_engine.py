@@ -23,6 +23,7 @@ from services.common.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
+from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.outputs import (
@@ -34,7 +35,6 @@ from services.engine.outputs import (
 )
 from services.engine.overlap import LaunchedStep, OverlappedSteps, can_schedule_ahead
 from services.engine.sampler import Sampler, SamplerOutput
-from services.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import Sequence
 

@@ -1,8 +1,9 @@
-"""An engine's entry in the shared worker registry, written with a TTL and kept fresh.
+"""Keeps an engine's entry in the shared worker registry fresh: written with a TTL, rewritten.
 
-Each engine (standalone or as a Ray actor) publishes an `EngineRecord` — its gRPC address, model,
-capacity, current load and resident LoRA adapters — as JSON under `sluice:engines:<engine_id>`
-with a TTL, and rewrites it every `refresh_s` (a fraction of the TTL). Routers watch these keys
+Each engine (standalone or as a Ray actor) publishes an `EngineRecord`
+(services/common/protocol/engine_record.py: its gRPC address, model, capacity, current load and
+resident LoRA adapters) as JSON under `sluice:engines:<engine_id>` with a TTL, and rewrites it
+every `refresh_s` (a fraction of the TTL). Routers watch these keys
 (services/router/registry.py): a new engine shows up without restarting anything, and an engine
 that dies stops refreshing and vanishes when its key expires. A clean exit deletes the key at once.
 A Redis outage is ridden out: failed refreshes are logged and retried, and the record is rewritten
@@ -14,68 +15,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 
 from services.common.errors import InvalidArgumentError
+from services.common.protocol.engine_record import EngineRecord
 from services.common.redis_store import SharedStore, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
-ENGINE_KEY_PREFIX = "sluice:engines:"
 DEFAULT_TTL_S = 10.0
-
-
-@dataclass(frozen=True)
-class EngineRecord:
-    """What routers need to know to place work on one engine."""
-
-    engine_id: str
-    address: str
-    model: str
-    max_model_len: int = 0
-    block_size: int = 0
-    num_blocks: int = 0
-    max_num_seqs: int = 0
-    free_blocks: int = 0
-    running: int = 0
-    waiting: int = 0
-    resident_adapters: tuple[str, ...] = ()
-    backend: str = ""
-    device: str = ""
-    pid: int = 0
-    started_at: float = 0.0
-    updated_at: float = 0.0
-    extra: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.engine_id or not isinstance(self.engine_id, str):
-            raise InvalidArgumentError("engine_id must be a non-empty string")
-        if ":" not in self.address:
-            raise InvalidArgumentError(f"address must be host:port, got {self.address!r}")
-
-    @property
-    def key(self) -> str:
-        return ENGINE_KEY_PREFIX + self.engine_id
-
-    def to_json(self) -> str:
-        data = asdict(self)
-        data["resident_adapters"] = list(self.resident_adapters)
-        return json.dumps(data, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> EngineRecord:
-        data = json.loads(raw)
-        if not isinstance(data, dict):
-            raise InvalidArgumentError("engine record must be a JSON object")
-        known = {name for name in cls.__dataclass_fields__}
-        values = {name: value for name, value in data.items() if name in known}
-        values["resident_adapters"] = tuple(values.get("resident_adapters") or ())
-        values["extra"] = dict(values.get("extra") or {})
-        return cls(**values)
 
 
 class EngineRegistration:

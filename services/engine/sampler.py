@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import SluiceError
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.outputs import TokenLogprob
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 
 # Candidates tried in turn for top-p-only rows on CPU before the whole vocabulary (a full sort

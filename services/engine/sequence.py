@@ -14,8 +14,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.outputs import FinishReason, TokenLogprob
-from services.engine.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
 

@@ -38,14 +38,10 @@ from services.common import event_loop, hop_trace, metrics
 from services.common.config import describe
 from services.common.errors import SluiceError, UnavailableError
 from services.common.grpc_server import start_server
+from services.common.protocol.codec import sampling_params_from_pb
 from services.engine.engine_loop import EngineLoop, LoopOutput, Rejection, Submit
 from services.engine.outputs import EngineLoad
-from services.engine.server_convert import (
-    fill_update,
-    load_to_pb,
-    rejection_to_pb,
-    sampling_params_from_pb,
-)
+from services.engine.server_convert import fill_update, load_to_pb, rejection_to_pb
 from services.engine.server_metrics import MetricsRecorder
 from services.engine.worker_config import WorkerConfig
 

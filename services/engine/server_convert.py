@@ -1,19 +1,16 @@
 """Protobuf <-> domain conversions of the engine worker (engine.proto, common.proto).
 
-Kept apart from the servicer so it stays thin: SamplingParams from the wire (unset optional
-fields take the documented defaults; validation raises InvalidArgumentError), and SequenceDelta /
-EngineLoad / Rejection to SequenceUpdate / EngineLoad messages (a delta is written
-into its step's SequenceUpdate in place).
+Kept apart from the servicer so it stays thin: SequenceDelta / EngineLoad / Rejection to
+SequenceUpdate / EngineLoad messages (a delta is written into its step's SequenceUpdate in
+place). Sampling parameters come off the wire through the codec the router also uses
+(services/common/protocol/codec.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from protos.sluice.v1 import common_pb2, engine_pb2
 from services.engine.engine_loop import Rejection
 from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta
-from services.engine.sampling_params import SamplingParams
 
 FINISH_REASONS_PB = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -22,27 +19,6 @@ FINISH_REASONS_PB = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
-_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
-_PLAIN_PARAMS = (
-    "min_tokens",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "include_stop_str_in_output",
-    "ignore_eos",
-)
-
-
-def sampling_params_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults; raises InvalidArgumentError."""
-    values: dict[str, Any] = {name: getattr(message, name) for name in _PLAIN_PARAMS}
-    for name in _OPTIONAL_PARAMS:
-        if message.HasField(name):
-            values[name] = getattr(message, name)
-    values["stop"] = tuple(message.stop)
-    values["stop_token_ids"] = tuple(message.stop_token_ids)
-    return SamplingParams(**values)
 
 
 def load_to_pb(load: EngineLoad) -> engine_pb2.EngineLoad:

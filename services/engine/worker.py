@@ -35,8 +35,9 @@ from typing import Any
 
 from services.common.errors import InvalidArgumentError, SluiceError, UnavailableError
 from services.common.ports import free_port
+from services.common.protocol.engine_record import EngineRecord
 from services.common.redis_store import StoreConfig, open_store
-from services.engine.registration import EngineRecord, EngineRegistration
+from services.engine.registration import EngineRegistration
 from services.engine.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)

@@ -1,59 +1,18 @@
 """Protobuf ↔ domain conversions for the router (kept out of the servicer and the policies).
 
-`sampling_params_from_pb` validates through `SamplingParams` (plain Python, no torch), so a bad
-value is an InvalidArgumentError with the same message the engine would give.
+Messages only the router builds: Tokenize items, engine submits, detokenize options and client
+responses. Sampling parameters go through the shared codec (services/common/protocol/codec.py),
+so a bad value is an InvalidArgumentError with the same message the engine would give.
 """
 
 from __future__ import annotations
 
-from protos.sluice.v1 import common_pb2, engine_pb2, router_pb2, tokenizer_pb2
+from protos.sluice.v1 import engine_pb2, router_pb2, tokenizer_pb2
 from services.common.errors import InvalidArgumentError
-from services.engine.sampling_params import SamplingParams
+from services.common.protocol.codec import sampling_params_to_pb
 from services.router.request import OutputPiece, RouterRequest
 
 PROMPT_TAIL_TOKENS = 8
-
-
-def sampling_params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
-    """A validated SamplingParams; unset optional fields take the documented defaults."""
-    values: dict = {
-        "min_tokens": params.min_tokens,
-        "top_k": params.top_k,
-        "min_p": params.min_p,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "stop": tuple(params.stop),
-        "stop_token_ids": tuple(params.stop_token_ids),
-        "include_stop_str_in_output": params.include_stop_str_in_output,
-        "ignore_eos": params.ignore_eos,
-    }
-    for name in ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs"):
-        if params.HasField(name):
-            values[name] = getattr(params, name)
-    return SamplingParams(**values)
-
-
-def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    message = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        min_tokens=params.min_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        ignore_eos=params.ignore_eos,
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    if params.logprobs is not None:
-        message.logprobs = params.logprobs
-    return message
 
 
 def tokenize_item(

@@ -25,11 +25,12 @@ from services.common.errors import (
     SluiceError,
     UnavailableError,
 )
-from services.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from services.common.protocol.codec import sampling_params_from_pb
+from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
 from services.router.admission import AdmissionQueue
 from services.router.auth import ApiKeyAuthenticator
 from services.router.config import RouterConfig
-from services.router.convert import sampling_params_from_pb, submit_pb, tokenize_item
+from services.router.convert import submit_pb, tokenize_item
 from services.router.discovery import EngineDiscovery, StaticDiscovery
 from services.router.dispatch import DispatchPolicy, LeastLoadedPolicy
 from services.router.engine_pool import EnginePool

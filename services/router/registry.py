@@ -1,11 +1,11 @@
 """The router's view of the worker registry: which engines exist, where, and how loaded.
 
-Engines publish `EngineRecord`s with a TTL (services/engine/registration.py). `EngineRegistry`
-polls them every `poll_interval_s` and keeps a local view: an engine that registers joins the
-view at the next poll (no router restart), one whose key expired (it stopped refreshing: dead or
-partitioned) leaves it, so a dead engine is gone within TTL + one poll. Listeners are told of
-joins, updates (new address after a restart, new load) and leaves, which is how an engine pool
-opens and closes its sessions.
+Engines publish `EngineRecord`s (services/common/protocol/engine_record.py) with a TTL.
+`EngineRegistry` polls them every `poll_interval_s` and keeps a local view: an engine that
+registers joins the view at the next poll (no router restart), one whose key expired (it stopped
+refreshing: dead or partitioned) leaves it, so a dead engine is gone within TTL + one poll.
+Listeners are told of joins, updates (new address after a restart, new load) and leaves, which is
+how an engine pool opens and closes its sessions.
 
 When the store is unreachable the poll fails fast (the store's timeout), the registry reports
 `degraded` and keeps serving its last known view unchanged; it keeps polling and resumes on its
@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgumentError
+from services.common.protocol.engine_record import ENGINE_KEY_PREFIX, EngineRecord
 from services.common.redis_store import SharedStore, StoreUnavailableError
 from services.common.refresher import PeriodicRefresh
-from services.engine.registration import ENGINE_KEY_PREFIX, EngineRecord
 
 log = logging.getLogger(__name__)
 

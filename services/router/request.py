@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.errors import SluiceError
-from services.engine.sampling_params import SamplingParams
+from services.common.protocol.sampling_params import SamplingParams
 from services.router.pacing import StreamPacing
 
 ONE_TOKEN_PER_RESPONSE = StreamPacing.fixed(1)

@@ -92,9 +92,9 @@ def test_factory_picks_the_fast_path_on_cuda_only() -> None:
 
 
 def test_engine_on_cuda_uses_graphs_and_finishes(runner) -> None:
+    from services.common.protocol.sampling_params import SamplingParams
     from services.engine.config import EngineConfig
     from services.engine.llm_engine import LLMEngine
-    from services.engine.sampling_params import SamplingParams
 
     config = EngineConfig(
         model=f"dummy:{SHAPE}", device="cuda", max_num_seqs=16, max_model_len=512,
@@ -121,9 +121,9 @@ def test_engine_on_cuda_uses_graphs_and_finishes(runner) -> None:
 def test_overlapped_engine_matches_the_plain_path(runner) -> None:
     """Steps scheduled ahead on pending tokens (fed on the GPU) give the plain path's tokens,
     stop tokens discarding the step already launched, and free every block."""
+    from services.common.protocol.sampling_params import SamplingParams
     from services.engine.config import EngineConfig
     from services.engine.llm_engine import LLMEngine
-    from services.engine.sampling_params import SamplingParams
 
     config = EngineConfig(
         model=f"dummy:{SHAPE}", device="cuda", max_num_seqs=8, max_model_len=512,

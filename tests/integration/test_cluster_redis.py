@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import ResourceExhaustedError
+from services.common.protocol.engine_record import EngineRecord
 from services.common.redis_server import (
     LocalRedisServer,
     find_redis_server,
@@ -29,7 +30,7 @@ from services.common.redis_store import (
     StoreUnavailableError,
     open_store,
 )
-from services.engine.registration import EngineRecord, EngineRegistration
+from services.engine.registration import EngineRegistration
 from services.router.rate_limit import RateLimiter, RateLimits
 from services.router.registry import EngineRegistry
 

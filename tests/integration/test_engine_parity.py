@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from services.common.model_files import resolve_model
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from services.common.errors import InvalidArgumentError
+from services.common.protocol.engine_record import EngineRecord
 from services.common.redis_store import MemoryStore
-from services.engine.registration import EngineRecord, EngineRegistration
+from services.engine.registration import EngineRegistration
 from services.router.registry import EngineRegistry, RegistryDiscovery
 
 

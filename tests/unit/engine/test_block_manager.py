@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 
 _ids = iter(range(10**9))

@@ -18,10 +18,10 @@ import pytest
 from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.errors import UnavailableError
 from services.common.grpc_server import start_server
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
-from services.engine.server import SERVICE_NAME, EngineServicer, sampling_params_from_pb
+from services.engine.server import SERVICE_NAME, EngineServicer
 
 ENGINE_CONFIG = EngineConfig(model="dummy:tiny", kv_cache_bytes=2 * 1024 * 1024, max_num_seqs=32)
 TIMEOUT_S = 60.0
@@ -113,21 +113,6 @@ def offline_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]
         for delta in engine.step().deltas:
             outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
     return [outputs[str(index)] for index in range(len(prompts))]
-
-
-def test_sampling_params_from_pb_defaults_and_values() -> None:
-    defaults = sampling_params_from_pb(common_pb2.SamplingParams())
-    assert defaults == SamplingParams()
-    given = sampling_params_from_pb(
-        common_pb2.SamplingParams(max_tokens=7, temperature=0.0, seed=3, stop=["x"], logprobs=2)
-    )
-    assert (given.max_tokens, given.temperature, given.seed, given.stop, given.logprobs) == (
-        7,
-        0.0,
-        3,
-        ("x",),
-        2,
-    )
 
 
 def test_info_and_greedy_generation_match_the_offline_engine() -> None:

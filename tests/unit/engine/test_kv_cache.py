@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError
+from services.common.protocol.dummy_shapes import dummy_config
 from services.engine.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCache,
     bytes_per_block,
     kv_cache_budget,
 )
-from services.engine.loader.dummy_shapes import dummy_config
 from services.engine.models.config import ModelConfig
 
 CONFIG = ModelConfig.from_dict(dummy_config("tiny"), name="tiny")  # 2 layers, 2 kv heads, dim 16

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgumentError
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import FinishReason
-from services.engine.sampling_params import SamplingParams
 from tests.unit.engine.fake_runner import FakeModelRunner, reference_generate
 
 VOCAB = 101

@@ -15,10 +15,10 @@ from services.common.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import FinishReason
-from services.engine.sampling_params import SamplingParams
 from tests.unit.engine.fake_runner import FakeModelRunner, reference_generate
 
 VOCAB = 101

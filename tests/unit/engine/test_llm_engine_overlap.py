@@ -12,11 +12,11 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import FinishReason
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import PENDING_TOKEN
 from tests.unit.engine.fake_runner import FakeModelRunner, reference_generate
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from services.common.errors import FailedPreconditionError
-from services.engine.loader.dummy_shapes import DUMMY_SHAPES, dummy_config
+from services.common.protocol.dummy_shapes import DUMMY_SHAPES, dummy_config
 from services.engine.loader.weights import build_model, safetensors_files
 from services.engine.models.config import ModelConfig
 from tests.unit.engine.models.helpers import hf_config, save_random_model

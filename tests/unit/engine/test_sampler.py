@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.sampler import Sampler, apply_penalties
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 
 _ids = iter(range(10**9))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import ResourceExhaustedError
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.sequence import Sequence, SequenceStatus
 

@@ -9,7 +9,7 @@ import time
 from prometheus_client import REGISTRY
 
 from protos.sluice.v1 import common_pb2, engine_pb2, tokenizer_pb2
-from services.engine.sampling_params import SamplingParams
+from services.common.protocol.sampling_params import SamplingParams
 from services.router.pacing import StreamPacing
 from services.router.request import OutputPiece, RouterRequest
 from services.router.streaming import OutputStreamer

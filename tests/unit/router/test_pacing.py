@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.engine.sampling_params import SamplingParams
+from services.common.protocol.sampling_params import SamplingParams
 from services.router.pacing import RATE_WINDOW_S, StreamPacing
 from services.router.request import OutputPiece, RouterRequest
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from services.common.errors import DeadlineExceededError
-from services.engine.sampling_params import SamplingParams
+from services.common.protocol.sampling_params import SamplingParams
 from services.router.pacing import StreamPacing
 from services.router.request import (
     IllegalTransitionError,

@@ -331,13 +331,13 @@ class Stack:
         if self._stopped:
             return
         self._stopped = True
-        grace = self.config.stop_grace_s
+        grace_s = self.config.stop_grace_s
         if self.router is not None:
-            terminate([self.router], grace)
-        terminate([*self.engines, *([self.tokenizer] if self.tokenizer else [])], grace)
+            terminate([self.router], grace_s)
+        terminate([*self.engines, *([self.tokenizer] if self.tokenizer else [])], grace_s)
         if self.ray_cluster is not None:
             try:
-                self.ray_cluster.stop(timeout_s=max(grace, 1.0))
+                self.ray_cluster.stop(timeout_s=max(grace_s, 1.0))
             except Exception:  # noqa: BLE001 - keep stopping the rest
                 log.exception("stopping the Ray engines failed")
         if self.redis_server is not None:

@@ -143,7 +143,7 @@ class EngineLoop:
         self._engine = engine
         self._thread_policy = thread_policy
         self._on_output = on_output
-        self._interval = load_report_interval_s
+        self._load_report_interval_s = load_report_interval_s
         self._condition = threading.Condition()
         self._inbox = _Inbox()
         self._running = False
@@ -189,7 +189,7 @@ class EngineLoop:
         while True:
             with self._condition:
                 while self._running and not self._inbox and not self._engine_busy():
-                    remaining = self._interval - (time.monotonic() - last_output)
+                    remaining = self._load_report_interval_s - (time.monotonic() - last_output)
                     if remaining <= 0:
                         break
                     self._condition.wait(remaining)

@@ -73,7 +73,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     def __init__(self, *, load_report_interval_s: float = 1.0) -> None:
         self.engine_id = uuid.uuid4().hex[:12]
-        self._interval = load_report_interval_s
+        self._load_report_interval_s = load_report_interval_s
         self._loop_thread: EngineLoop | None = None
         self._info: Any = None
         self._sessions: dict[str, _Session] = {}
@@ -93,7 +93,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         engine_loop = EngineLoop(
             engine,
             self._from_engine_thread,
-            load_report_interval_s=self._interval,
+            load_report_interval_s=self._load_report_interval_s,
             thread_policy=config.forward_thread_policy if config else "normal",
         )
         self._load = engine_loop.initial_load
@@ -258,7 +258,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         for key, session in list(sessions.items()):
             step = steps.get(key)
             if step is None:
-                if now - session.last_sent < self._interval:
+                if now - session.last_sent < self._load_report_interval_s:
                     continue
                 step = self._new_step(load, output)
             session.last_sent = now

@@ -202,11 +202,11 @@ class RouterRequest:
             waiter.set_result(None)
 
     # ---- consumer (the servicer) ------------------------------------------------------------
-    async def next_piece(self, timeout: float | None = None) -> OutputPiece | None:
+    async def next_piece(self, timeout_s: float | None = None) -> OutputPiece | None:
         """The next output (merged if several are pending); None once everything was read.
 
         Raises the request's error once its pieces before it are read, and TimeoutError when
-        `timeout` passes with nothing new.
+        `timeout_s` passes with nothing new.
         """
         while self._pending is None or (
             self._pending_tokens < self._send_at and self.state is not RequestState.FINISHED
@@ -218,10 +218,10 @@ class RouterRequest:
                     return None
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                if timeout is None:
+                if timeout_s is None:
                     await self._waiter
                 else:
-                    await asyncio.wait_for(self._waiter, timeout)
+                    await asyncio.wait_for(self._waiter, timeout_s)
             except TimeoutError:
                 if self._pending is None:
                     raise

@@ -59,11 +59,11 @@ def test_requests_read_the_shared_interval_after_each_send() -> None:
         pacing = StreamPacing(message_budget=1000)
         request = RouterRequest("r1", "client", [1], SamplingParams(), pacing=pacing)
         request.push(OutputPiece(text="a", token_ids=[1]))
-        assert (await request.next_piece(timeout=1.0)).token_ids == [1]
+        assert (await request.next_piece(timeout_s=1.0)).token_ids == [1]
         feed(pacing, 3000, 1.0)  # the router got busy: 3 tokens per response from now on
         assert pacing.interval == 3
         request.push(OutputPiece(text="b", token_ids=[2]))  # due at the interval read before
-        assert (await request.next_piece(timeout=1.0)).token_ids == [2]
+        assert (await request.next_piece(timeout_s=1.0)).token_ids == [2]
         for token in (3, 4):
             request.push(OutputPiece(text="x", token_ids=[token]))
         reader = asyncio.ensure_future(request.next_piece())

@@ -64,10 +64,10 @@ def test_consumer_wakes_on_push_and_on_error() -> None:
         request = make()
         loop = asyncio.get_running_loop()
         loop.call_later(0.01, request.push, OutputPiece(text="x", token_ids=[9]))
-        assert (await request.next_piece(timeout=1.0)).text == "x"
+        assert (await request.next_piece(timeout_s=1.0)).text == "x"
         loop.call_later(0.01, request.fail, DeadlineExceededError("gone"))
         with pytest.raises(DeadlineExceededError):
-            await request.next_piece(timeout=1.0)
+            await request.next_piece(timeout_s=1.0)
 
     asyncio.run(scenario())
 
@@ -75,7 +75,7 @@ def test_consumer_wakes_on_push_and_on_error() -> None:
 def test_timeout_when_nothing_arrives() -> None:
     async def scenario() -> None:
         with pytest.raises(TimeoutError):
-            await make().next_piece(timeout=0.01)
+            await make().next_piece(timeout_s=0.01)
 
     asyncio.run(scenario())
 
@@ -100,7 +100,7 @@ def test_stream_interval_holds_pieces_until_enough_tokens() -> None:
     async def scenario() -> None:
         request = RouterRequest("r1", "client", [1], SamplingParams(), pacing=StreamPacing.fixed(3))
         request.push(OutputPiece(text="a", token_ids=[1]))
-        first = await request.next_piece(timeout=1.0)
+        first = await request.next_piece(timeout_s=1.0)
         assert first.token_ids == [1]  # the first token goes at once (time to first token)
         request.push(OutputPiece(text="b", token_ids=[2]))
         request.push(OutputPiece(text="c", token_ids=[3]))
@@ -112,7 +112,7 @@ def test_stream_interval_holds_pieces_until_enough_tokens() -> None:
         assert (piece.text, piece.token_ids) == ("bcd", [2, 3, 4])
         request.push(OutputPiece(text="e", token_ids=[5]))
         request.push(OutputPiece(text="f", token_ids=[6], finish_reason=2))
-        last = await request.next_piece(timeout=1.0)  # the end flushes what is held
+        last = await request.next_piece(timeout_s=1.0)  # the end flushes what is held
         assert (last.text, last.token_ids, last.finish_reason) == ("ef", [5, 6], 2)
         assert await request.next_piece() is None
 
@@ -127,16 +127,16 @@ def test_stream_interval_flushes_held_pieces_before_an_error_or_the_deadline() -
         request.push(OutputPiece(text="b", token_ids=[2]))
         loop = asyncio.get_running_loop()
         loop.call_later(0.01, request.fail, DeadlineExceededError("gone"))
-        assert (await request.next_piece(timeout=1.0)).text == "b"
+        assert (await request.next_piece(timeout_s=1.0)).text == "b"
         with pytest.raises(DeadlineExceededError):
-            await request.next_piece(timeout=1.0)
+            await request.next_piece(timeout_s=1.0)
         late = RouterRequest("r2", "client", [1], SamplingParams(), pacing=StreamPacing.fixed(8))
         late.push(OutputPiece(text="a", token_ids=[1]))
         await late.next_piece()
         late.push(OutputPiece(text="b", token_ids=[2]))
-        assert (await late.next_piece(timeout=0.01)).text == "b"  # deadline: sent, not lost
+        assert (await late.next_piece(timeout_s=0.01)).text == "b"  # deadline: sent, not lost
         with pytest.raises(TimeoutError):
-            await late.next_piece(timeout=0.01)
+            await late.next_piece(timeout_s=0.01)
 
     asyncio.run(scenario())
 

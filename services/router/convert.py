@@ -16,18 +16,20 @@ PROMPT_TAIL_TOKENS = 8
 
 
 def tokenize_item(
-    request: router_pb2.GenerateRequest, max_tokens: int
+    request: router_pb2.GenerateRequest, max_prompt_tokens: int
 ) -> tokenizer_pb2.TokenizeItem:
-    """The Tokenize item for a text or chat request (token-id requests need none)."""
+    """The Tokenize item for a text or chat request (token-id requests need none).
+
+    The tokenizer rejects a prompt longer than `max_prompt_tokens` (0: no limit)."""
     kind = request.WhichOneof("input")
     if kind == "prompt":
         if not request.prompt:
             raise InvalidArgumentError("the prompt is empty")
-        return tokenizer_pb2.TokenizeItem(text=request.prompt, max_tokens=max_tokens)
+        return tokenizer_pb2.TokenizeItem(text=request.prompt, max_prompt_tokens=max_prompt_tokens)
     if kind == "chat":
         if not request.chat.messages:
             raise InvalidArgumentError("the chat has no messages")
-        return tokenizer_pb2.TokenizeItem(chat=request.chat, max_tokens=max_tokens)
+        return tokenizer_pb2.TokenizeItem(chat=request.chat, max_prompt_tokens=max_prompt_tokens)
     raise InvalidArgumentError("set one of prompt, chat or prompt_token_ids")
 
 

@@ -65,7 +65,7 @@ def encode_item_from_pb(item: tokenizer_pb2.TokenizeItem) -> EncodeItem:
         "add_special_tokens": (
             item.add_special_tokens if item.HasField("add_special_tokens") else True
         ),
-        "max_tokens": item.max_tokens,
+        "max_prompt_tokens": item.max_prompt_tokens,
     }
     if kind == "text":
         return EncodeItem(text=item.text, **common)

@@ -32,7 +32,7 @@ class EncodeItem:
     chat: Sequence[Mapping[str, str]] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
-    max_tokens: int = 0
+    max_prompt_tokens: int = 0  # reject a longer prompt (never truncate); 0: no limit
 
 
 class TokenizerModel:
@@ -112,8 +112,10 @@ class TokenizerModel:
 
     def encode_item(self, item: EncodeItem) -> list[int]:
         """Token ids of one prompt; raises InvalidArgumentError (never truncates)."""
-        if item.max_tokens < 0:
-            raise InvalidArgumentError(f"max_tokens must be >= 0, got {item.max_tokens}")
+        if item.max_prompt_tokens < 0:
+            raise InvalidArgumentError(
+                f"max_prompt_tokens must be >= 0, got {item.max_prompt_tokens}"
+            )
         if item.chat is not None:
             for index, message in enumerate(item.chat):
                 if not message.get("role"):
@@ -128,9 +130,9 @@ class TokenizerModel:
             raise InvalidArgumentError("an item needs text or chat")
         if not ids:
             raise InvalidArgumentError("the prompt encodes to no tokens")
-        if item.max_tokens and len(ids) > item.max_tokens:
+        if item.max_prompt_tokens and len(ids) > item.max_prompt_tokens:
             raise InvalidArgumentError(
-                f"prompt is {len(ids)} tokens, longer than the limit of {item.max_tokens} "
+                f"prompt is {len(ids)} tokens, longer than the limit of {item.max_prompt_tokens} "
                 "(prompts are never truncated)"
             )
         return ids

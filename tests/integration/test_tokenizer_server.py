@@ -63,7 +63,7 @@ def test_tokenize_batch_with_per_item_errors(model) -> None:
                     tokenizer_pb2.TokenizeItem(text="Hello world"),
                     tokenizer_pb2.TokenizeItem(text=""),
                     tokenizer_pb2.TokenizeItem(chat=chat),
-                    tokenizer_pb2.TokenizeItem(text="one two three four five", max_tokens=2),
+                    tokenizer_pb2.TokenizeItem(text="one two three four five", max_prompt_tokens=2),
                     tokenizer_pb2.TokenizeItem(),
                 ]
             )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.sluice.v1 import common_pb2 as protos_dot_sluice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/sluice/v1/tokenizer.proto\x12\tsluice.v1\x1a\x1dprotos/sluice/v1/common.proto\"\xda\x01\n\x0cTokenizeItem\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\rB\x07\n\x05inputB\x18\n\x16_add_generation_promptB\x15\n\x13_add_special_tokens\"R\n\x0fTokenizeRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.sluice.v1.TokenizeItem\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\"H\n\x0eTokenizeResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.sluice.v1.ItemError\"|\n\x10TokenizeResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.sluice.v1.TokenizeResult\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.sluice.v1.ItemError\"\x98\x01\n\x11\x44\x65tokenizeOptions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x02 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\x0fprompt_tail_ids\x18\x04 \x03(\rB\x16\n\x14_skip_special_tokens\"\x8a\x01\n\x10\x44\x65tokenizeUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.sluice.v1.DetokenizeOptions\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x0e\n\x06\x63\x61ncel\x18\x05 \x01(\x08\"Z\n\x11\x44\x65tokenizeRequest\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.sluice.v1.DetokenizeUpdate\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\"\x8a\x01\n\tTextDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08stop_hit\x18\x03 \x01(\x08\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\x0e\n\x06\x63losed\x18\x05 \x01(\x08\x12#\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x14.sluice.v1.ItemError\"S\n\x12\x44\x65tokenizeResponse\x12$\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x14.sluice.v1.TextDelta\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\"\x16\n\x14TokenizerInfoRequest\"~\n\rTokenizerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x18\n\x10tokenize_session\x18\x05 \x01(\x08\x32\xb9\x02\n\tTokenizer\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12N\n\x0fTokenizeSession\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse(\x01\x30\x01\x12T\n\x11\x44\x65tokenizeSession\x12\x1c.sluice.v1.DetokenizeRequest\x1a\x1d.sluice.v1.DetokenizeResponse(\x01\x30\x01\x12\x41\n\x04Info\x12\x1f.sluice.v1.TokenizerInfoRequest\x1a\x18.sluice.v1.TokenizerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/sluice/v1/tokenizer.proto\x12\tsluice.v1\x1a\x1dprotos/sluice/v1/common.proto\"\xe1\x01\n\x0cTokenizeItem\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x02\x88\x01\x01\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\rB\x07\n\x05inputB\x18\n\x16_add_generation_promptB\x15\n\x13_add_special_tokens\"R\n\x0fTokenizeRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.sluice.v1.TokenizeItem\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\"H\n\x0eTokenizeResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.sluice.v1.ItemError\"|\n\x10TokenizeResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.sluice.v1.TokenizeResult\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.sluice.v1.ItemError\"\x98\x01\n\x11\x44\x65tokenizeOptions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x02 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\x0fprompt_tail_ids\x18\x04 \x03(\rB\x16\n\x14_skip_special_tokens\"\x8a\x01\n\x10\x44\x65tokenizeUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.sluice.v1.DetokenizeOptions\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x0e\n\x06\x63\x61ncel\x18\x05 \x01(\x08\"Z\n\x11\x44\x65tokenizeRequest\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.sluice.v1.DetokenizeUpdate\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\"\x8a\x01\n\tTextDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08stop_hit\x18\x03 \x01(\x08\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\x0e\n\x06\x63losed\x18\x05 \x01(\x08\x12#\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x14.sluice.v1.ItemError\"S\n\x12\x44\x65tokenizeResponse\x12$\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x14.sluice.v1.TextDelta\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\"\x16\n\x14TokenizerInfoRequest\"~\n\rTokenizerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x18\n\x10tokenize_session\x18\x05 \x01(\x08\x32\xb9\x02\n\tTokenizer\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12N\n\x0fTokenizeSession\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse(\x01\x30\x01\x12T\n\x11\x44\x65tokenizeSession\x12\x1c.sluice.v1.DetokenizeRequest\x1a\x1d.sluice.v1.DetokenizeResponse(\x01\x30\x01\x12\x41\n\x04Info\x12\x1f.sluice.v1.TokenizerInfoRequest\x1a\x18.sluice.v1.TokenizerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,27 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.sluice.v1.tokenizer_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENIZEITEM']._serialized_start=79
-  _globals['_TOKENIZEITEM']._serialized_end=297
-  _globals['_TOKENIZEREQUEST']._serialized_start=299
-  _globals['_TOKENIZEREQUEST']._serialized_end=381
-  _globals['_TOKENIZERESULT']._serialized_start=383
-  _globals['_TOKENIZERESULT']._serialized_end=455
-  _globals['_TOKENIZERESPONSE']._serialized_start=457
-  _globals['_TOKENIZERESPONSE']._serialized_end=581
-  _globals['_DETOKENIZEOPTIONS']._serialized_start=584
-  _globals['_DETOKENIZEOPTIONS']._serialized_end=736
-  _globals['_DETOKENIZEUPDATE']._serialized_start=739
-  _globals['_DETOKENIZEUPDATE']._serialized_end=877
-  _globals['_DETOKENIZEREQUEST']._serialized_start=879
-  _globals['_DETOKENIZEREQUEST']._serialized_end=969
-  _globals['_TEXTDELTA']._serialized_start=972
-  _globals['_TEXTDELTA']._serialized_end=1110
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1112
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1195
-  _globals['_TOKENIZERINFOREQUEST']._serialized_start=1197
-  _globals['_TOKENIZERINFOREQUEST']._serialized_end=1219
-  _globals['_TOKENIZERINFO']._serialized_start=1221
-  _globals['_TOKENIZERINFO']._serialized_end=1347
-  _globals['_TOKENIZER']._serialized_start=1350
-  _globals['_TOKENIZER']._serialized_end=1663
+  _globals['_TOKENIZEITEM']._serialized_end=304
+  _globals['_TOKENIZEREQUEST']._serialized_start=306
+  _globals['_TOKENIZEREQUEST']._serialized_end=388
+  _globals['_TOKENIZERESULT']._serialized_start=390
+  _globals['_TOKENIZERESULT']._serialized_end=462
+  _globals['_TOKENIZERESPONSE']._serialized_start=464
+  _globals['_TOKENIZERESPONSE']._serialized_end=588
+  _globals['_DETOKENIZEOPTIONS']._serialized_start=591
+  _globals['_DETOKENIZEOPTIONS']._serialized_end=743
+  _globals['_DETOKENIZEUPDATE']._serialized_start=746
+  _globals['_DETOKENIZEUPDATE']._serialized_end=884
+  _globals['_DETOKENIZEREQUEST']._serialized_start=886
+  _globals['_DETOKENIZEREQUEST']._serialized_end=976
+  _globals['_TEXTDELTA']._serialized_start=979
+  _globals['_TEXTDELTA']._serialized_end=1117
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1119
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1202
+  _globals['_TOKENIZERINFOREQUEST']._serialized_start=1204
+  _globals['_TOKENIZERINFOREQUEST']._serialized_end=1226
+  _globals['_TOKENIZERINFO']._serialized_start=1228
+  _globals['_TOKENIZERINFO']._serialized_end=1354
+  _globals['_TOKENIZER']._serialized_start=1357
+  _globals['_TOKENIZER']._serialized_end=1670
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenizeItem(_message.Message):
-    __slots__ = ("text", "chat", "add_generation_prompt", "add_special_tokens", "max_tokens")
+    __slots__ = ("text", "chat", "add_generation_prompt", "add_special_tokens", "max_prompt_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: _common_pb2.ChatMessages
     add_generation_prompt: bool
     add_special_tokens: bool
-    max_tokens: int
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., add_generation_prompt: bool = ..., add_special_tokens: bool = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    max_prompt_tokens: int
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., add_generation_prompt: bool = ..., add_special_tokens: bool = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("items", "sequence_number")

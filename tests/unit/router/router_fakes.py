@@ -163,9 +163,9 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
                 text = item.text
             ids = [ord(c) % VOCAB_SIZE for c in text]
             result = response.results.add()
-            if item.max_tokens and len(ids) > item.max_tokens:
+            if item.max_prompt_tokens and len(ids) > item.max_prompt_tokens:
                 result.error.code = "INVALID_ARGUMENT"
-                result.error.message = f"prompt is {len(ids)} tokens, over {item.max_tokens}"
+                result.error.message = f"prompt is {len(ids)} tokens, over {item.max_prompt_tokens}"
             else:
                 result.token_ids.extend(ids)
         return response

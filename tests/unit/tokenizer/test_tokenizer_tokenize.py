@@ -32,12 +32,12 @@ def test_chat_matches_apply_chat_template(smollm) -> None:
 def test_over_long_prompt_is_an_error_saying_how_long(smollm) -> None:
     text = "one two three four five six seven eight nine ten"
     length = len(smollm.encode_item(EncodeItem(text=text)))
-    assert smollm.encode_item(EncodeItem(text=text, max_tokens=length))
+    assert smollm.encode_item(EncodeItem(text=text, max_prompt_tokens=length))
     with pytest.raises(InvalidArgumentError, match=f"prompt is {length} tokens.*limit of 5"):
-        smollm.encode_item(EncodeItem(text=text, max_tokens=5))
+        smollm.encode_item(EncodeItem(text=text, max_prompt_tokens=5))
     chat_length = len(smollm.encode_item(EncodeItem(chat=CHAT)))
     with pytest.raises(InvalidArgumentError, match=f"prompt is {chat_length} tokens"):
-        smollm.encode_item(EncodeItem(chat=CHAT, max_tokens=3))
+        smollm.encode_item(EncodeItem(chat=CHAT, max_prompt_tokens=3))
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_over_long_prompt_is_an_error_saying_how_long(smollm) -> None:
         (EncodeItem(), "needs text or chat"),
         (EncodeItem(chat=[]), "at least one message"),
         (EncodeItem(chat=[{"role": "", "content": "x"}]), "empty role"),
-        (EncodeItem(text="x", max_tokens=-1), "max_tokens"),
+        (EncodeItem(text="x", max_prompt_tokens=-1), "max_prompt_tokens"),
     ],
 )
 def test_bad_items_are_invalid_arguments(smollm, item, fragment) -> None:
@@ -109,6 +109,6 @@ def test_truncation_in_tokenizer_json_is_switched_off(byte_fallback) -> None:
         ids = model.encode_item(EncodeItem(text="the world in the world"))
         assert len(ids) > 3
         with pytest.raises(InvalidArgumentError, match=f"prompt is {len(ids)} tokens"):
-            model.encode_item(EncodeItem(text="the world in the world", max_tokens=3))
+            model.encode_item(EncodeItem(text="the world in the world", max_prompt_tokens=3))
     finally:
         byte_fallback.no_truncation()

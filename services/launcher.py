@@ -139,7 +139,7 @@ class ModelSpec:
 
 
 # (stack config, model) -> started engine children, each serving the Engine service.
-# Replaceable: issue 4 starts engines as Ray actors instead of processes.
+# Replaceable: with Ray, engines start as Ray actors instead of processes.
 EngineStarter = Callable[[StackConfig, ModelSpec], list[ChildProcess]]
 
 

@@ -1,4 +1,4 @@
-"""CudaModelRunner: the engine's ModelRunner on the CUDA fast path (issue 5).
+"""CudaModelRunner: the engine's ModelRunner on the CUDA fast path.
 
 ModelRunner builds the model, its weights (already fused: one QKV and one gate/up matrix per
 layer) and the paged KV cache; this subclass runs the same weights and the same cache through

@@ -1,4 +1,4 @@
-"""create_model_runner: pick the engine's model runner for a config (issue 5).
+"""create_model_runner: pick the engine's model runner for a config.
 
 On a CUDA device with Triton importable and a model the fast path covers, the engine gets
 cuda_runner.CudaModelRunner (Triton kernels, decode CUDA graphs per batch bucket); everywhere

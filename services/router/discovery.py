@@ -1,9 +1,10 @@
 """Where engine addresses come from.
 
 `EngineDiscovery` is the interface the engine pool polls: `async addresses()` returns the set of
-engine addresses that should be connected now. Issue 3 uses a static list from `--engines`;
-issue 4 adds a Redis worker registry (heartbeat keys with a TTL) behind the same interface, so
-the pool connects to new engines and drops vanished ones without other changes.
+engine addresses that should be connected now. `StaticDiscovery` returns the list from
+`--engines`; `registry.RegistryDiscovery` (Redis heartbeat keys with a TTL) implements the
+same interface, so the pool connects to new engines and drops vanished ones without other
+changes.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 The servicer admits requests into the `AdmissionQueue`; the engine pool streams them to
 engines; between the two a `DispatchPolicy` decides placement from each engine's reported
-capacity. `LeastLoadedPolicy` (issue 3) sends the next request in queue order to the engine with
-the most free capacity, and holds it in the router while no engine has room, so the queue bound,
-priorities and deadlines stay meaningful. The LoRA-aware batcher (next round) implements the
-same `schedule` with per-adapter queues, adapter residency and slot caps, without touching the
-servicer or the engine pool. Plain Python: no gRPC, no torch.
+capacity. `LeastLoadedPolicy` sends the next request in queue order to the engine with the
+most free capacity, and holds it in the router while no engine has room, so the queue bound,
+priorities and deadlines stay meaningful. A LoRA-aware batcher fits behind the same `schedule`
+(per-adapter queues, adapter residency, slot caps) without touching the servicer or the engine
+pool. Plain Python: no gRPC, no torch.
 """
 
 from __future__ import annotations

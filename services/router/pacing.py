@@ -1,14 +1,14 @@
 """How many tokens each streamed response gathers: a fixed count, or adapted to the router's load.
 
-Every response is one gRPC message, and on the per-token path a message costs the router and
-its client far more CPU than the token in it: on the 2-core dev VM at 64 streams, ~70 us of
-router CPU and ~30 us of the client's per message, against ~26 and ~12 us per token besides
-(BENCHMARKS.md), so at 10,000 tokens/s one message per token takes a whole core. A fixed
-`--stream-interval N` (as in vLLM and SGLang) divides that by N at every load, and makes
-light-load streams bursty for nothing. The adaptive pacing (`--stream-interval 0`, the default)
-keeps one message per token while the router streams fewer tokens per second than
-`--stream-message-budget`, and above it gathers just enough tokens per response to stay near
-that many messages per second:
+Every response is one gRPC message, and on the per-token path a message costs the router and its
+client far more CPU than the token in it: on a 2-vCPU AMD EPYC VM at 64 streams, ~70 us of router
+CPU and ~30 us of the client's per message, against ~26 and ~12 us per token besides (fitted from
+runs at fixed `--stream-interval` 1, 4 and 8), so at 10,000 tokens/s one message per token takes a
+whole core. A fixed `--stream-interval N` (as in vLLM and SGLang) divides that by N at every load,
+and makes light-load streams bursty for nothing. The adaptive pacing (`--stream-interval 0`, the
+default) keeps one message per token while the router streams fewer tokens per second than
+`--stream-message-budget`, and above it gathers just enough tokens per response to stay near that
+many messages per second:
 
     interval = clamp(ceil(streamed tokens per second / budget), 1, --stream-max-interval)
 

@@ -1,6 +1,6 @@
 """What a router shares with other routers through Redis, built in one place.
 
-`SharedState.open(settings)` wires the pieces of issue 4 for one router process: the store
+`SharedState.open(settings)` wires the shared-state pieces for one router process: the store
 (Redis, or an in-memory fallback without --redis-url), the engine registry (discovery of engines
 that join and leave), API keys kept in Redis (mirrored locally, next to --api-keys-file), per-key
 rate limits and the idempotency cache (request ids are idempotent only with a shared Redis).

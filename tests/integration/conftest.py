@@ -8,9 +8,9 @@
 - `stack_factory` (function scope): `stack_factory(**StackConfig overrides)` starts a private
   stack (e.g. with `router_args=("--max-queued-requests", "2")`, or one to SIGTERM); every stack
   it started is stopped when the test ends.
-Both run engines as plain processes without Redis (fast, and what most tests need); the issue-4
-tests (test_cluster_stack.py, test_cluster_up.py) start their own Ray + Redis stack once per
-module with `StackConfig(ray=True, shared_state=True)`.
+Both run engines as plain processes without Redis (fast, and what most tests need); the
+cluster tests (test_cluster_stack.py, test_cluster_up.py) start their own Ray + Redis stack once
+per module with `StackConfig(ray=True, shared_state=True)`.
 Child logs go to a temporary directory; a start-up failure shows the failing child's log tail.
 """
 

@@ -1,4 +1,4 @@
-"""Issue 4 end to end: the launcher's Ray + Redis stack with two real router processes.
+"""The cluster end to end: the launcher's Ray + Redis stack with two real router processes.
 
 One stack for the module (Ray and the model load are slow on a shared 2-core machine): a private
 redis-server, one engine as a Ray actor (dummy:tiny weights) registered in Redis, a tokenizer,

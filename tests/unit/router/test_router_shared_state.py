@@ -1,4 +1,4 @@
-"""The router's issue-4 wiring without Redis: flags, combined API keys, per-key limits and
+"""The router's shared-state wiring without Redis: flags, combined API keys, per-key limits and
 idempotent request ids through the real servicer (fake engine and tokenizer, in-memory store)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The bf16 LM head on CPU, four ways, in one process: the native greedy head, the native
 float32-logit head, and oneDNN's packed bf16 matmul with and without the native row argmax.
 
-    python -m loadtest.cpu_head_bench [--rows 1,8,32,64] [--hidden 576] [--vocab 49152]
+    python -m benchmarks.cpu_head_bench [--rows 1,8,32,64] [--hidden 576] [--vocab 49152]
         [--threads 2] [--repeats 40]
 
 Prints milliseconds per call (mean of `--repeats` after 5 warmup calls) for each row count.
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from services.engine.kernels.cpu_native import cpu_kernels
+from services.engine.kernels.cpu.cpu_native import cpu_kernels
 from services.engine.layers.linear import pack_weight, packed_linear
 
 
@@ -29,7 +29,9 @@ def _ms(call: Callable[[], object], repeats: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.cpu_head_bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.cpu_head_bench", description=__doc__
+    )
     parser.add_argument("--rows", default="1,8,32,64", help="row counts, comma separated")
     parser.add_argument("--hidden", type=int, default=576, help="hidden size (SmolLM2: 576)")
     parser.add_argument("--vocab", type=int, default=49152, help="vocabulary size")

@@ -12,9 +12,9 @@ every timed run each side makes `--warmup-runs` untimed runs of the very same wo
 a kernel per new matmul shape on first use, ~1-2 ms each: a cold run measures that, not the
 steady state). With `--repeats N` each side's figure is its best of N timed runs.
 
-`--device cuda` hands over to `loadtest.gpu_bench.main` (the GPU benchmark).
+`--device cuda` hands over to `benchmarks.gpu_bench.main` (the GPU benchmark).
 
-    python -m loadtest.engine_bench [--batch-sizes 1,8,32] [--max-tokens 32] [--dtype auto]
+    python -m benchmarks.engine_bench [--batch-sizes 1,8,32] [--max-tokens 32] [--dtype auto]
         [--warmup-runs 1] [--repeats 1] [--out FILE.json]
 """
 
@@ -58,7 +58,7 @@ class Row:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.engine_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_bench", description=__doc__)
     parser.add_argument("--device", default="cpu", help="cpu (here) or cuda (gpu_bench)")
     parser.add_argument("--model", default=None, help="model (default: SmolLM2-135M)")
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
@@ -97,7 +97,7 @@ def make_prompts(count: int, low: int, high: int, vocab: int, seed: int) -> list
 
 
 def time_sluice(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    from services.engine.sampling_params import SamplingParams
+    from services.common.protocol.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         "warmup_runs": args.warmup_runs,
         "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python -m loadtest.engine_bench " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.engine_bench " + " ".join(sys.argv[1:]),
         "model": llm.engine.info.model_name,
         "max_tokens": args.max_tokens,
         "prompt_lengths": [args.min_prompt, args.max_prompt],
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.device.startswith("cuda"):
-        from loadtest import gpu_bench
+        from benchmarks import gpu_bench
 
         return gpu_bench.main(argv)
     if args.device != "cpu":

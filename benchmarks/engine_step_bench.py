@@ -1,13 +1,13 @@
 """Engine-only decode throughput: what one LLMEngine streams by itself, no gRPC.
 
-The issue-3 stack benchmark needs the engine step of `dummy:tiny` well under ~4 ms at 64
+The stack benchmark (stack_bench.py) needs the engine step of `dummy:tiny` well under ~4 ms at 64
 sequences, so this drives an LLMEngine in-process with `--concurrency` closed-loop greedy
 requests (`ignore_eos`, `--max-tokens` each, refilled as they finish) for `--duration` seconds
 and prints tokens/s, the mean step time and its host share: the mean time per step outside the
 runner's forward (scheduling, the runner's `prepare_inputs`, stop checks, deltas), which this
 machine's noise in the forward does not swamp. `--profile FILE` writes a cProfile of the run.
 
-    python -m loadtest.engine_step_bench --model dummy:tiny --concurrency 64 --duration 10
+    python -m benchmarks.engine_step_bench --model dummy:tiny --concurrency 64 --duration 10
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.engine_step_bench", description=__doc__
+        prog="python -m benchmarks.engine_step_bench", description=__doc__
     )
     parser.add_argument(
         "--model", default="dummy:tiny", help='model (default: dummy:tiny; "" = the default model)'

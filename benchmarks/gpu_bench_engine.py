@@ -1,11 +1,11 @@
-"""Engine-level GPU figures: decode and prefill measured through LLMEngine.step() (issue 5).
+"""Engine-level GPU figures: decode and prefill measured through LLMEngine.step().
 
 gpu_bench.py times the standalone fast model; this module times the same work through the
 engine (scheduler, block manager, CudaModelRunner, sampler, output deltas) on a dummy shape, so
 the report shows what the engine adds. Per step: greedy sampling, EOS ignored, random prompt
 tokens. It also checks the fast path's logits against the plain torch model on the same weights
 and KV cache (CudaModelRunner.reference_execute). Run in its own process (it needs the GPU's
-memory for its KV cache): `python -m loadtest.gpu_bench_engine --out engine.json`.
+memory for its KV cache): `python -m benchmarks.gpu_bench_engine --out engine.json`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     figures come from the pure-decode steps that hold the whole batch. `overlapped_steps`
     counts steps the engine scheduled ahead (launched before the previous step's ids were
     read)."""
-    from services.engine.sampling_params import SamplingParams
+    from services.common.protocol.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     stamp = time.perf_counter_ns()
@@ -148,7 +148,7 @@ def profile_host(shape: str, batch: int, steps: int = 20) -> None:
     import cProfile
     import pstats
 
-    from services.engine.sampling_params import SamplingParams
+    from services.common.protocol.sampling_params import SamplingParams
 
     engine = _engine(shape, max_num_seqs=batch, max_batched=8192, max_model_len=4096)
     params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
@@ -167,7 +167,9 @@ def profile_host(shape: str, batch: int, steps: int = 20) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpu_bench_engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_bench_engine", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b", help="dummy shapes")
     parser.add_argument("--batches", default="16,64,256,512", help="decode batch sizes")
     parser.add_argument("--max-tokens", type=int, default=72, help="tokens per request")

@@ -1,11 +1,11 @@
-"""Microbenchmark of the bs=1 projections (issue 5): every skinny-matmul configuration and
+"""Microbenchmark of the bs=1 projections: every skinny-matmul configuration and
 cuBLAS on the Llama-3-8B matrix shapes, in GB/s of weight streamed.
 
 Each shape is timed over enough distinct weight copies (one per layer, as a decode step reads
 them) that L2 cannot hold them, all launches captured in one CUDA graph (as decode runs), with
 triton.testing.do_bench's median of the replays. Prints one table per
-shape, best first; `--json` writes the numbers. Run on the device:
-`PYTHONPATH=. python -m loadtest.gpu_bench_gemv --json $OUT/gemv.json`.
+shape, best first; `--json` writes the numbers. On a GPU machine, from the repository root:
+`python -m benchmarks.gpu_bench_gemv --json gemv.json` (benchmarks/gpu_run.sh runs it).
 """
 
 from __future__ import annotations
@@ -25,14 +25,16 @@ SHAPES = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from services.engine.kernels.skinny_matmul import candidates, skinny_matmul
-
-    parser = argparse.ArgumentParser(prog="gpu_bench_gemv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_bench_gemv", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
     parser.add_argument("--rows", type=int, default=1, help="rows of x (batch size)")
     args = parser.parse_args(argv)
+    import torch  # after parsing: --help works where Triton is not installed
+
+    from services.engine.kernels.triton.skinny_matmul import candidates, skinny_matmul
+
     results: dict[str, list[dict]] = {}
     for role, n, k, copies in SHAPES:
         rows = _time_shape(n, k, copies, args.rows, candidates(args.rows), skinny_matmul)
@@ -53,7 +55,7 @@ def _time_shape(n: int, k: int, copies: int, num_rows: int, configs, skinny_matm
     """cuBLAS and every configuration on `copies` random [n, k] weights, fastest first."""
     import torch
 
-    from services.engine.kernels.skinny_matmul import time_in_graph
+    from services.engine.kernels.triton.skinny_matmul import time_in_graph
 
     weights = [
         torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)

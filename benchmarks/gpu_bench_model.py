@@ -1,4 +1,4 @@
-"""The measurements of loadtest.gpu_bench for one model shape (split out to keep files short).
+"""The measurements of benchmarks.gpu_bench for one model shape (split out to keep files short).
 
 Order matters for memory on an 80 GB card: transformers' model is built, randomised, copied
 into the fused fast-path weights, timed and used as a reference, then freed before the large
@@ -48,7 +48,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _build_transformers(shape: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from services.engine.loader.dummy_shapes import dummy_config
+    from services.common.protocol.dummy_shapes import dummy_config
 
     fields = dict(dummy_config(shape))
     fields.pop("model_type", None)
@@ -145,12 +145,12 @@ def bench_shape(
     fast.capture_graphs()
     entry["graph_capture_s"] = round(time.perf_counter() - started, 1)
 
-    from loadtest.gpu_bench_timing import check_correctness, time_decode, time_prefill
+    from benchmarks.gpu_bench_timing import check_correctness, time_decode, time_prefill
 
     with torch.no_grad():
         check_correctness(fast, config, prompts, hf_last, entry, llama_reference_logits)
         save()
-        # The issue's floor: every parameter byte over the measured copy bandwidth; the
+        # The decode floor: every parameter byte over the measured copy bandwidth; the
         # stricter one counts only the bytes a step reads (the embedding table is one row).
         bandwidth = ceilings["copy_gb_s"] * 1e9
         decode_floor_ms = weights.parameter_bytes() / bandwidth * 1e3

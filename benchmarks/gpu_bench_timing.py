@@ -1,4 +1,4 @@
-"""Correctness checks and timings of loadtest.gpu_bench on one built fast-path model.
+"""Correctness checks and timings of benchmarks.gpu_bench on one built fast-path model.
 
 Decode timing runs the engine's loop shape: inputs from pinned host memory, a captured graph
 per step, and a host read of the sampled tokens each step (the one sync a step may have).

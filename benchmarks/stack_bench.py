@@ -1,21 +1,21 @@
-"""The serving-stack benchmark of issue 3: streamed tokens/s through the router vs the engine alone.
+"""The serving-stack benchmark: streamed tokens/s through the router vs the engine alone.
 
 With a `dummy:tiny` model (hidden size 16) the forward pass is cheap, so the numbers measure the
 stack (gRPC hops, detokenization, per-request streaming), not the model. It
 1. starts a tokenizer, one engine and the router as separate processes on free loopback ports
    (services/launcher.py; or uses `--router/--engine/--tokenizer` of a running stack);
-   `--synthetic-step-ms` replaces the engine by a model-free one (loadtest/synthetic_engine.py);
-2. runs the same closed loop (loadtest/stack_bench_clients.py: `--concurrency` staggered streams,
+   `--synthetic-step-ms` replaces the engine by a model-free one (benchmarks/synthetic_engine.py);
+2. runs the same closed loop (benchmarks/stack_bench_clients.py: `--concurrency` staggered streams,
    counted over `--duration` seconds after `--warmup`) straight to the engine over one
    EngineSession (the engine alone), then through the router's public Generate with text prompts.
-   The load generator is a process of its own (loadtest/stack_bench_load.py), by default at the
+   The load generator is a process of its own (benchmarks/stack_bench_load.py), by default at the
    lowest CPU priority (`--client-priority low`: nice 19, in its own session), so that on a small
    machine it takes only what the stack leaves, as a client on another machine would; the
    stack and the probe keep normal priority;
 3. reports streamed tokens/s of both and their ratio, tokens per response message, median and p90
    time to first token under that load and idle (one request at a time), the added median TTFT
    (router minus engine alone, both ways; under load also from a separate probe process,
-   loadtest/stack_bench_probe.py, which the load generator's own event loop cannot delay), and
+   benchmarks/stack_bench_probe.py, which the load generator's own event loop cannot delay), and
    each process's CPU microseconds per streamed token (router, engine, tokenizer, and the
    load generator as "bench client"; from /proc through psutil), the engine's mean batch in the
    window (tokens per step, from its /metrics: did the load keep it as full on both sides?), and
@@ -28,7 +28,7 @@ so a bigger machine can show the same stack on 2 cores against more. `--client-c
 moves the load generator and the probe off them once the stack runs, as clients on other
 machines would be.
 
-    python -m loadtest.stack_bench --model dummy:tiny --concurrency 64 --duration 10
+    python -m benchmarks.stack_bench --model dummy:tiny --concurrency 64 --duration 10
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ import grpc
 import psutil
 
 from benchmarks import hop_report
-from loadtest.scrape import Buckets, scrape_histogram, scrape_samples, window_quantile
-from loadtest.stack_bench_clients import (
+from benchmarks.stack_bench_clients import (
     PROMPTS,
     LoadShape,
     RunResult,
@@ -61,10 +60,11 @@ from loadtest.stack_bench_clients import (
     percentile,
     router_idle_ttft,
 )
-from loadtest.stack_bench_load import PRIORITIES
+from benchmarks.stack_bench_load import PRIORITIES
+from loadtest.scrape import Buckets, scrape_histogram, scrape_samples, window_quantile
 from protos.sluice.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import event_loop
-from services.common.metrics import FIRST_TOKEN_PHASE_METRIC, FIRST_TOKEN_PHASES
+from services.router.metrics import FIRST_TOKEN_PHASE_METRIC, FIRST_TOKEN_PHASES
 
 
 async def _tokenize(address: str) -> list[list[int]]:
@@ -162,7 +162,7 @@ class EngineBatch:
 
 
 # Started with the counting window's (start, end) in time.monotonic() seconds; returns the
-# probe's times to first token (loadtest/stack_bench_probe.py), seconds.
+# probe's times to first token (benchmarks/stack_bench_probe.py), seconds.
 Probe = Callable[[float, float], Awaitable[list[float]]]
 
 
@@ -175,11 +175,11 @@ async def _run_load(
     probe: Probe | None,
     at_edge: Callable[[], None],
 ) -> tuple[RunResult, dict]:
-    """One side's load in its own process (loadtest/stack_bench_load.py, at --client-priority):
+    """One side's load in its own process (benchmarks/stack_bench_load.py, at --client-priority):
     CPU of every process sampled here at the window's edges, the probe started inside it."""
     shape = LoadShape(args.concurrency, args.max_tokens, args.duration, args.warmup)
     argv = [
-        sys.executable, "-m", "loadtest.stack_bench_load", side, address,
+        sys.executable, "-m", "benchmarks.stack_bench_load", side, address,
         json.dumps(asdict(shape)), args.client_priority,
     ]  # fmt: skip
     if side == "engine":
@@ -226,17 +226,17 @@ async def _run_load(
 
 
 def _prober(target: str, address: str, prompt_ids: list[list[int]]):
-    """A Probe: loadtest/stack_bench_probe.py running next to the load (normal priority)."""
+    """A Probe: benchmarks/stack_bench_probe.py running next to the load (normal priority)."""
 
     async def probe(window_start: float, window_end: float) -> list[float]:
         to_wall = time.time() - time.monotonic()
         argv = [
-            sys.executable, "-m", "loadtest.stack_bench_probe", target, address,
+            sys.executable, "-m", "benchmarks.stack_bench_probe", target, address,
             str(window_start + to_wall), str(window_end + to_wall), json.dumps(prompt_ids),
         ]  # fmt: skip
         # subprocess.run in a thread, not the event loop's subprocess support: uvloop's (libuv)
         # fork()s while this process's gRPC threads run, and that crashed it with SIGSEGV in
-        # create_subprocess_exec (1 run in ~70 on the dev VM, 1 in 10 on the device host).
+        # create_subprocess_exec (1 run in ~70 on a 2-vCPU VM, 1 in 10 on a GPU host).
         # subprocess uses vfork here, which runs no fork handlers (services/common/processes.py).
         process = await asyncio.to_thread(subprocess.run, argv, stdout=subprocess.PIPE)
         ttfts = json.loads(process.stdout) if process.returncode == 0 else []
@@ -273,7 +273,7 @@ def _start_stack(args: argparse.Namespace):
         log_dir=Path(tempfile.mkdtemp(prefix="stack-bench-")),
     )
     if args.synthetic_step_ms:
-        from loadtest.synthetic_engine import synthetic_engine_starter
+        from benchmarks.synthetic_engine import synthetic_engine_starter
 
         return Stack(config, engine_starter=synthetic_engine_starter(args.synthetic_step_ms))
     return Stack(config)
@@ -464,7 +464,7 @@ def cpu_list(text: str) -> set[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.stack_bench",
+        prog="python -m benchmarks.stack_bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -518,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-probe",
         dest="probe",
         action="store_false",
-        help="skip the latency probe (loadtest/stack_bench_probe.py) next to each load",
+        help="skip the latency probe (benchmarks/stack_bench_probe.py) next to each load",
     )
     parser.add_argument(
         "--cpus",
@@ -537,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=PRIORITIES,
         default="low",
         help="CPU priority of the load generator, a process of its own on both sides "
-        "(loadtest/stack_bench_load.py): low (default) runs it at nice 19 in its own session, "
+        "(benchmarks/stack_bench_load.py): low (default) runs it at nice 19 in its own session, "
         "so on a small machine it takes only what the stack leaves, as a client on another "
         "machine would; normal runs it at the stack's priority. The probe stays normal.",
     )

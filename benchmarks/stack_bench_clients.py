@@ -113,7 +113,7 @@ class _Window:
 
 
 # Told the counting window's (start, end) as the load starts, so that whoever runs this load
-# (loadtest/stack_bench_load.py) can sample CPU at its edges and start the probe inside it.
+# (benchmarks/stack_bench_load.py) can sample CPU at its edges and start the probe inside it.
 WindowStarted = Callable[[float, float], None]
 
 

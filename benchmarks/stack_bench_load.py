@@ -1,12 +1,12 @@
 """The stack benchmark's load generator as a process of its own, at the lowest CPU priority.
 
-On a machine as small as the dev VM (2 cores) the load generator shares the stack's cores, and
+On a machine as small as 2 cores the load generator shares the stack's cores, and
 at 64 streams it reads about 2,000 responses a second: a third of a core that a real client on
 another machine would not take from the router, the tokenizer and the engine. So by default it
 runs here, below the stack: in a session of its own (on Linux, its own scheduling autogroup)
 at nice 19, on the group and on every thread, so it gets what the stack leaves. The stack's
 services and the latency probe keep their normal priority. `--client-priority normal` in
-loadtest/stack_bench.py keeps the old arrangement (the load at the stack's priority), for
+benchmarks/stack_bench.py keeps the old arrangement (the load at the stack's priority), for
 comparison. On a bigger machine `--client-cpus` moves it off the stack's cores instead.
 
 Both sides (engine alone, router) run it the same way. Protocol on stdout, one JSON object a
@@ -14,8 +14,8 @@ line: first {"window": [start, end], "priority": {...}} as the load starts (time
 one clock for all processes; the parent samples CPU at its edges and starts the probe), then
 the RunResult. Errors go to stderr with a non-zero exit.
 
-    python -m loadtest.stack_bench_load router 127.0.0.1:50051 '{"concurrency": 64, ...}' low
-    python -m loadtest.stack_bench_load engine 127.0.0.1:50061 SHAPE normal '[[1, 2, 3]]'
+    python -m benchmarks.stack_bench_load router 127.0.0.1:50051 '{"concurrency": 64, ...}' low
+    python -m benchmarks.stack_bench_load engine 127.0.0.1:50061 SHAPE normal '[[1, 2, 3]]'
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from pathlib import Path
 
 LOWEST_NICE = 19
 PRIORITIES = ("low", "normal")
-USAGE = "python -m loadtest.stack_bench_load router|engine ADDRESS SHAPE_JSON low|normal [IDS_JSON]"
+USAGE = (
+    "python -m benchmarks.stack_bench_load router|engine ADDRESS SHAPE_JSON low|normal [IDS_JSON]"
+)
 
 
 def lower_priority() -> dict:
@@ -54,7 +56,7 @@ def main(argv: list[str]) -> int:
     applied = lower_priority() if priority == "low" else {"nice": os.nice(0)}
     from dataclasses import asdict
 
-    from loadtest.stack_bench_clients import LoadShape, engine_run, router_run
+    from benchmarks.stack_bench_clients import LoadShape, engine_run, router_run
     from services.common import event_loop
 
     sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)  # as the services do

@@ -7,8 +7,8 @@ the engine over its own EngineSession), so what it measures is the stack's laten
 load, not the load generator's. Both sides are probed the same way; stack_bench starts it with
 absolute start and end times (wall clock) inside the counting window and reads its JSON.
 
-    python -m loadtest.stack_bench_probe router 127.0.0.1:50051 START END
-    python -m loadtest.stack_bench_probe engine 127.0.0.1:50061 START END '[[1, 2, 3]]'
+    python -m benchmarks.stack_bench_probe router 127.0.0.1:50051 START END
+    python -m benchmarks.stack_bench_probe engine 127.0.0.1:50061 START END '[[1, 2, 3]]'
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import time
 
 import grpc
 
-from loadtest.stack_bench_clients import PROMPTS, params
+from benchmarks.stack_bench_clients import PROMPTS, params
 from protos.sluice.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from services.common import hop_trace
 
+USAGE = "python -m benchmarks.stack_bench_probe router|engine ADDRESS START END [IDS_JSON]"
 PAUSE_S = 0.02  # between probes: a light extra load, about one request per step or two
 
 
@@ -86,6 +87,10 @@ async def probe_engine(
 
 
 def main(argv: list[str]) -> int:
+    needed = 5 if argv[:1] == ["engine"] else 4  # the router side ignores IDS_JSON
+    if argv[:1] not in (["router"], ["engine"]) or len(argv) not in (needed, 5):
+        print(f"usage: {USAGE}", file=sys.stderr)
+        return 2
     target, address, start_at, end_at = argv[0], argv[1], float(argv[2]), float(argv[3])
     if target == "router":
         ttfts = asyncio.run(probe_router(address, start_at, end_at))

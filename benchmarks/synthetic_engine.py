@@ -2,9 +2,9 @@
 
 Every `step_s` each live request gets one token (ids cycling through ordinary vocabulary
 entries), the same as a real engine's step message. With it the engine is never the limit, so
-`python -m loadtest.stack_bench --synthetic-step-ms 2` measures what the router and tokenizer
+`python -m benchmarks.stack_bench --synthetic-step-ms 2` measures what the router and tokenizer
 can stream by themselves. `start_synthetic_engine` is a `services.launcher.Stack` engine starter
-that runs it as its own process (`python -m loadtest.synthetic_engine PORT STEP_MS`).
+that runs it as its own process (`python -m benchmarks.synthetic_engine PORT STEP_MS`).
 """
 
 from __future__ import annotations
@@ -103,12 +103,21 @@ def synthetic_engine_starter(step_ms: float) -> Callable:
 
     def start(config, model) -> list:
         port = free_port(config.host)
-        command = [sys.executable, "-m", "loadtest.synthetic_engine", str(port), str(step_ms)]
+        command = [sys.executable, "-m", "benchmarks.synthetic_engine", str(port), str(step_ms)]
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         return [ChildProcess("synthetic-engine", f"{config.host}:{port}", process)]
 
     return start
 
 
+def main(argv: list[str]) -> int:
+    """`PORT STEP_MS`: serve until killed."""
+    if len(argv) != 2 or not argv[0].isdigit():
+        print("usage: python -m benchmarks.synthetic_engine PORT STEP_MS", file=sys.stderr)
+        return 2
+    asyncio.run(serve(int(argv[0]), float(argv[1]) / 1000))
+    return 0
+
+
 if __name__ == "__main__":
-    asyncio.run(serve(int(sys.argv[1]), float(sys.argv[2]) / 1000))
+    sys.exit(main(sys.argv[1:]))

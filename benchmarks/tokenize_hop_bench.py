@@ -1,8 +1,8 @@
 """The router's tokenize hop two ways against one tokenizer service: a `Tokenize` call per
-prompt (the router before session 5) and a message on one long-lived `TokenizeSession` stream
+prompt (the router's former hop) and a message on one long-lived `TokenizeSession` stream
 (the router now), in alternating rounds so both see the same machine.
 
-    python -m loadtest.tokenize_hop_bench [--requests 300] [--rounds 3] [--pause-ms 2]
+    python -m benchmarks.tokenize_hop_bench [--requests 300] [--rounds 3] [--pause-ms 2]
 
 Starts `sluice serve tokenizer` (the default model's tokenizer) as its own process on a free
 loopback port and sends one short prompt at a time, `--pause-ms` apart (so each request finds
@@ -99,7 +99,7 @@ async def run(requests: int, rounds: int, pause_s: float, address: str, pid: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.tokenize_hop_bench",
+        prog="python -m benchmarks.tokenize_hop_bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

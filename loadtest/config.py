@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from loadtest.arrivals import ARRIVAL_KINDS
 from loadtest.datasets import ADAPTER_DISTRIBUTIONS, DATASETS, DatasetOptions
 from loadtest.metrics import parse_slo
-from loadtest.runner import ClientOptions
+from loadtest.schedule import ClientOptions
 from services.common.config import field
 from services.common.errors import InvalidArgumentError
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from loadtest.datasets import RequestSpec
 from loadtest.records import RequestRecord
-from loadtest.runner import (
+from loadtest.schedule import (
     START_MARGIN_S,
     ClientOptions,
     LagMonitor,

@@ -1,7 +1,7 @@
-"""The issue-3 stack benchmark end to end on a small run: both sides stream, the report adds up.
+"""The stack benchmark end to end on a small run: both sides stream, the report adds up.
 
-Runs `loadtest.stack_bench` against a stack whose engine is the model-free synthetic engine
-(loadtest/synthetic_engine.py), so it is quick; the same code path measures `dummy:tiny`.
+Runs `benchmarks.stack_bench` against a stack whose engine is the model-free synthetic engine
+(benchmarks/synthetic_engine.py), so it is quick; the same code path measures `dummy:tiny`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import os
 
 import pytest
 
-from loadtest import stack_bench
-from loadtest.stack_bench_clients import LoadShape
-from services.common.metrics import FIRST_TOKEN_PHASES
+from benchmarks import stack_bench
+from benchmarks.stack_bench_clients import LoadShape
+from services.router.metrics import FIRST_TOKEN_PHASES
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from loadtest import tokenize_hop_bench
+from benchmarks import tokenize_hop_bench
 
 pytestmark = pytest.mark.slow
 

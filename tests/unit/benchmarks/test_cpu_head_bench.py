@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest import cpu_head_bench
-from services.engine.kernels.cpu_native import cpu_kernels
+from benchmarks import cpu_head_bench
+from services.engine.kernels.cpu.cpu_native import cpu_kernels
 
 
 def test_prints_a_row_per_row_count(capsys: pytest.CaptureFixture[str]) -> None:

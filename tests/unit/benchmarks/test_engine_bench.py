@@ -1,4 +1,4 @@
-"""loadtest.engine_bench: prompt mix, table rows, and the hand-over to the GPU benchmark."""
+"""benchmarks.engine_bench: prompt mix, table rows, and the hand-over to the GPU benchmark."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import loadtest.engine_bench as bench
+import benchmarks.engine_bench as bench
 from services.engine.model_runner import default_dtype
 
 
@@ -29,11 +29,11 @@ def test_row_ratio_and_table_line():
 
 
 def test_cuda_is_handed_to_the_gpu_benchmark(monkeypatch):
-    import loadtest.gpu_bench
+    import benchmarks.gpu_bench
 
     seen = {}
     monkeypatch.setattr(
-        loadtest.gpu_bench, "main", lambda argv: seen.setdefault("argv", argv) and 7
+        benchmarks.gpu_bench, "main", lambda argv: seen.setdefault("argv", argv) and 7
     )
     assert bench.main(["--device", "cuda", "--batch-sizes", "1"]) == 7
     assert seen["argv"] == ["--device", "cuda", "--batch-sizes", "1"]

@@ -12,7 +12,7 @@ import pytest
 
 _CHILD = """
 import json, os, threading
-from loadtest.stack_bench_load import lower_priority
+from benchmarks.stack_bench_load import lower_priority
 applied = lower_priority()
 seen = {}
 thread = threading.Thread(target=lambda: seen.update(nice=os.nice(0)))  # started afterwards
@@ -59,7 +59,7 @@ def test_outside_a_session_of_its_own_the_callers_autogroup_is_left_alone() -> N
 )  # fmt: skip
 def test_bad_arguments_exit_2_with_the_usage(argv: list[str]) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "loadtest.stack_bench_load", *argv],
+        [sys.executable, "-m", "benchmarks.stack_bench_load", *argv],
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[3],

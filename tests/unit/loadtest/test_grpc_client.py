@@ -7,7 +7,7 @@ import time
 
 from loadtest.datasets import RequestSpec
 from loadtest.grpc_client import GrpcClient, served_model
-from loadtest.runner import LagMonitor, run_schedule
+from loadtest.schedule import LagMonitor, run_schedule
 
 
 def test_request_carries_token_ids_length_and_adapter() -> None:

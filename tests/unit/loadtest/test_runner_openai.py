@@ -9,7 +9,8 @@ import pytest
 
 from loadtest.arrivals import arrival_times
 from loadtest.datasets import RequestSpec
-from loadtest.runner import ClientOptions, LagMonitor, dispatch_lag_s, run, run_schedule
+from loadtest.runner import run
+from loadtest.schedule import ClientOptions, LagMonitor, dispatch_lag_s, run_schedule
 from tests.unit.loadtest.sse_fixture_server import OpenAIFixtureServer
 
 

@@ -3,8 +3,9 @@
 Each entry is a Hugging Face `config.json` dictionary, so a dummy model goes through the same
 config parsing as a real one. Plain Python (no torch): `resolve_model`
 (services/common/model_files.py: launcher, tokenizer and engine) validates names here, and the
-engine builds its model config from them. A dummy model uses the default model's tokenizer (SmolLM2, 49,152 tokens, eos id 2), so the
-loader widens a smaller vocabulary to that size; every other size is the named model's own.
+engine builds its model config from them. A dummy model uses the default model's tokenizer
+(SmolLM2, 49,152 tokens, eos id 2), so the loader widens a smaller vocabulary to that size; every
+other size is the named model's own.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Prometheus metrics of the engine worker, set after every forward-loop turn.
 
 Runs on the engine thread (the only one that may read the engine). The metric objects live in
-services/common/metrics.py; running totals the engine keeps (preemptions, prefix-cache lookups)
+services/engine/metrics.py; running totals the engine keeps (preemptions, prefix-cache lookups)
 become counter increments here.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common import metrics
+from services.engine import metrics
 from services.engine.engine_loop import LoopOutput
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from protos.sluice.v1 import router_pb2, tokenizer_pb2
-from services.common import hop_trace, metrics
+from services.common import hop_trace
 from services.common.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -27,6 +27,7 @@ from services.common.errors import (
 )
 from services.common.protocol.codec import sampling_params_from_pb
 from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
+from services.router import metrics
 from services.router.admission import AdmissionQueue
 from services.router.auth import ApiKeyAuthenticator
 from services.router.config import RouterConfig

@@ -21,10 +21,12 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from protos.sluice.v1 import router_pb2, router_pb2_grpc
-from services.common import event_loop, hop_trace, metrics
+from services.common import event_loop, hop_trace
 from services.common.config import describe
 from services.common.errors import DeadlineExceededError, SluiceError
 from services.common.grpc_server import RunningServer, start_server
+from services.common.metrics import start_metrics_server
+from services.router import metrics
 from services.router.config import RouterConfig, RouterSettings
 from services.router.convert import response_pb
 from services.router.core import RouterCore
@@ -231,7 +233,7 @@ async def serve(settings: RouterSettings, *, stop: asyncio.Event | None = None) 
     """Run the router until SIGTERM/SIGINT (or `stop` is set), drain, and return 0."""
     config = settings.router
     sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)
-    metrics.start_metrics_server(config.metrics_port)
+    start_metrics_server(config.metrics_port)
     shared = await SharedState.open(settings)
     core, server = await start(config, shared=shared)
     loop = asyncio.get_running_loop()

@@ -26,8 +26,9 @@ import time
 from typing import Protocol
 
 from protos.sluice.v1 import common_pb2, engine_pb2, tokenizer_pb2
-from services.common import hop_trace, metrics
+from services.common import hop_trace
 from services.common.errors import SluiceError
+from services.router import metrics
 from services.router.convert import detokenize_options
 from services.router.pacing import StreamPacing
 from services.router.request import OutputPiece, RouterRequest

@@ -27,6 +27,10 @@ def test_sluice_up_serves_then_stops_everything_on_sigterm() -> None:
     process, port = start_sluice_up(
         "--no-ray",  # plain processes: the Ray + Redis stack is test_cluster_stack.py's
         "--no-redis",
+        # durations name their unit: the launcher's own, one passed on to the router, and
+        # the engines' through --engine-args
+        *("--startup-timeout-s", "300", "--stop-grace-s", "20", "--shutdown-grace-s", "5"),
+        "--engine-args=--shutdown-grace-s 2 --load-report-interval-s 0.5",
     )
     try:
         ready = process.stdout.readline()  # blocks until ready (or the launcher exits)

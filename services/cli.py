@@ -142,6 +142,13 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         default=60.0,
         help="the window of --max-crashes, in seconds (default: %(default)s)",
     )
+    up.add_argument(
+        "--tokenizers",
+        type=int,
+        default=1,
+        help="tokenizer processes; the router spreads requests over them and keeps serving "
+        "while one is down (default: %(default)s)",
+    )
     up.add_argument("--api-keys-file", help="router: file with one API key per line")
     up.add_argument("--max-queued-requests", type=int, help="router: queue bound (requests)")
     up.add_argument("--max-queued-tokens", type=int, help="router: queue bound (prompt tokens)")
@@ -193,6 +200,7 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
             host=namespace.host,
             port=namespace.port,
             engines=1 if namespace.engines is None else namespace.engines,
+            tokenizers=namespace.tokenizers,
             router_args=(*router_args, *extra_router_args),
             engine_args=(*engine_args, *shlex.split(namespace.engine_args)),
             startup_timeout_s=namespace.startup_timeout_s,

@@ -62,6 +62,7 @@ class StackConfig:
     host: str = LOOPBACK  # the router's address; internal services always bind loopback
     port: int = 50051  # the router's port; 0 picks a free one
     engines: int = 1
+    tokenizers: int = 1  # tokenizer processes; the router spreads its requests over them
     router_args: tuple[str, ...] = ()
     engine_args: tuple[str, ...] = ()
     tokenizer_args: tuple[str, ...] = ()
@@ -83,6 +84,10 @@ class StackConfig:
             raise InvalidArgumentError(f"engines must be an integer, got {self.engines!r}")
         if self.engines < 1:
             raise InvalidArgumentError(f"engines must be >= 1, got {self.engines}")
+        if isinstance(self.tokenizers, bool) or not isinstance(self.tokenizers, int):
+            raise InvalidArgumentError(f"tokenizers must be an integer, got {self.tokenizers!r}")
+        if self.tokenizers < 1:
+            raise InvalidArgumentError(f"tokenizers must be >= 1, got {self.tokenizers}")
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536 - 2 - self.engines:
@@ -227,7 +232,7 @@ class Stack:
     ) -> None:
         self.config = config
         self.engine_starter = engine_starter
-        self.tokenizer: ChildProcess | None = None
+        self.tokenizers: list[ChildProcess] = []
         self.engines: list[ChildProcess] = []
         self.router: ChildProcess | None = None
         self.redis_url: str | None = None
@@ -244,10 +249,16 @@ class Stack:
         return self.router.address
 
     @property
+    def tokenizer(self) -> ChildProcess | None:
+        """The first tokenizer process (None before start)."""
+        return self.tokenizers[0] if self.tokenizers else None
+
+    @property
     def tokenizer_address(self) -> str:
-        if self.tokenizer is None:
+        """The tokenizer replicas' addresses, comma-separated (the router's --tokenizer)."""
+        if not self.tokenizers:
             raise UnavailableError("the stack is not started")
-        return self.tokenizer.address
+        return ",".join(tokenizer.address for tokenizer in self.tokenizers)
 
     @property
     def engine_addresses(self) -> list[str]:
@@ -255,7 +266,7 @@ class Stack:
 
     @property
     def children(self) -> list[ChildProcess]:
-        members = [self.router, *self.engines, self.tokenizer]
+        members = [self.router, *self.engines, *self.tokenizers]
         return [child for child in members if child is not None]
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -277,13 +288,16 @@ class Stack:
 
             start_metrics_server(config.metrics_port, addr=config.host)
         deadline = time.monotonic() + config.startup_timeout_s
-        self.tokenizer = spawn_service(
-            config,
-            "tokenizer",
-            "tokenizer",
-            free_port(),
-            [*model.flags(), *config.tokenizer_args],
-        )
+        self.tokenizers = [
+            spawn_service(
+                config,
+                "tokenizer" if config.tokenizers == 1 else f"tokenizer-{index}",
+                "tokenizer",
+                free_port(),
+                [*model.flags(), *config.tokenizer_args],
+            )
+            for index in range(config.tokenizers)
+        ]
         if config.shared_state or config.redis_url:
             self.redis_url, self.redis_server = redis_for_stack(
                 config.redis_url, config.redis_data_dir
@@ -292,10 +306,10 @@ class Stack:
             self._start_ray_engines(model)
         else:
             self.engines = self.engine_starter(config, model)
-        for child in (self.tokenizer, *self.engines):
+        for child in (*self.tokenizers, *self.engines):
             wait_until_serving(child, deadline)
         router_port = config.port or free_port(config.host)
-        flags = router_flags(self.tokenizer.address, self.engine_addresses)
+        flags = router_flags(self.tokenizer_address, self.engine_addresses)
         if self.redis_url is not None:
             # Ray engines register in Redis: the router follows the registry. Plain engine
             # processes do not register: the router keeps their static list.
@@ -334,7 +348,7 @@ class Stack:
         grace_s = self.config.stop_grace_s
         if self.router is not None:
             terminate([self.router], grace_s)
-        terminate([*self.engines, *([self.tokenizer] if self.tokenizer else [])], grace_s)
+        terminate([*self.engines, *self.tokenizers], grace_s)
         if self.ray_cluster is not None:
             try:
                 self.ray_cluster.stop(timeout_s=max(grace_s, 1.0))

@@ -106,6 +106,10 @@ class Supervisor:
             raise InvalidArgumentError(f"{name} is already supervised")
         self._watched[name] = _Watched(name, alive, exit_code, restart)
 
+    def names(self) -> list[str]:
+        """The supervised children's names."""
+        return list(self._watched)
+
     def restarts(self, name: str) -> int:
         """How many times `name` was restarted so far."""
         return self._watched[name].restarts

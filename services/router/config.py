@@ -32,7 +32,10 @@ class RouterConfig:
     engines: tuple[str, ...] = field(
         ("127.0.0.1:50061",), help="engine worker addresses, comma separated (host:port,...)"
     )
-    tokenizer: str = field("127.0.0.1:50052", help="tokenizer service address (host:port)")
+    tokenizer: str = field(
+        "127.0.0.1:50052",
+        help="tokenizer service address (host:port); comma-separated for several replicas",
+    )
     max_queued_requests: int = field(
         1024, help="requests admitted but not yet on an engine; more are RESOURCE_EXHAUSTED"
     )
@@ -99,7 +102,9 @@ class RouterConfig:
         object.__setattr__(self, "engines", tuple(self.engines))
         if not self.engines and not self.engine_registry:
             raise InvalidArgumentError("at least one engine address is needed (--engines)")
-        for address in (*self.engines, self.tokenizer):
+        if not self.tokenizer_addresses:
+            raise InvalidArgumentError("at least one tokenizer address is needed (--tokenizer)")
+        for address in (*self.engines, *self.tokenizer_addresses):
             _check_address(address)
         _positive_int("max_queued_requests", self.max_queued_requests)
         _positive_int("max_queued_tokens", self.max_queued_tokens)
@@ -132,6 +137,11 @@ class RouterConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def tokenizer_addresses(self) -> tuple[str, ...]:
+        """The tokenizer replicas (`tokenizer` is a comma-separated list of host:port)."""
+        return tuple(a.strip() for a in self.tokenizer.split(",") if a.strip())
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None = None) -> RouterConfig:

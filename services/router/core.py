@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from protos.sluice.v1 import router_pb2, tokenizer_pb2
-from services.common import hop_trace
 from services.common.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -40,7 +39,7 @@ from services.router.pacing import StreamPacing
 from services.router.rate_limit import RateLimiter
 from services.router.request import RequestState, RouterRequest
 from services.router.streaming import OutputStreamer
-from services.router.tokenizer_client import TokenizerClient
+from services.router.tokenizer_pool import TokenizerPool
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +73,8 @@ class RouterCore:
         self.idempotency = idempotency
         self.running: dict[str, RouterRequest] = {}
         self.active: set[RouterRequest] = set()
-        self.tokenizer = TokenizerClient(
-            config.tokenizer,
+        self.tokenizer = TokenizerPool(
+            config.tokenizer_addresses,
             self._on_detokenized,
             self._tokenizer_lost,
             tokenize_timeout_s=config.tokenize_timeout_s,
@@ -176,9 +175,6 @@ class RouterCore:
     ) -> RouterRequest:
         arrival = time.monotonic()
         request_id = f"{self._id_prefix}{next(self._ids)}"
-        traced = hop_trace.requested(metadata)
-        if traced:
-            hop_trace.mark("arrive", request_id)
         caller = self.auth.check(metadata)
         self._check_open()
         params = (
@@ -206,12 +202,8 @@ class RouterCore:
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 raise DeadlineExceededError("the deadline passed before tokenizing")
-            prompt_ids = await self.tokenizer.tokenize(
-                item, timeout, trace_id=request_id if traced else None
-            )
+            prompt_ids = await self.tokenizer.tokenize(item, timeout)
             tokenized_at = time.monotonic()
-            if traced:
-                hop_trace.mark("tokenized", request_id)
         params.validate_for_model(len(prompt_ids), max_model_len, vocab_size)
         if self.rate_limiter is not None and caller is not None:
             await self.rate_limiter.acquire(
@@ -229,7 +221,6 @@ class RouterCore:
             arrival=arrival,
             tokenized_at=tokenized_at,
             pacing=self.pacing,
-            traced=traced,
         )
         if request.expired():
             raise DeadlineExceededError("the deadline passed before the request was queued")
@@ -277,9 +268,7 @@ class RouterCore:
             request.holds_engine_slot = True
             request.placed_at = now
             self.running[request.request_id] = request
-            if request.traced:
-                hop_trace.mark("placed", request.request_id)
-            connection.submit(submit_pb(request), traced=request.traced)
+            connection.submit(submit_pb(request))
         self._update_queue_gauges()
         metrics.ROUTER_RUNNING_REQUESTS.set(len(self.running))
 
@@ -348,10 +337,11 @@ class RouterCore:
             request.holds_engine_slot = False
             self.end_request(request, UnavailableError(f"engine {engine_id} went away"))
 
-    def _tokenizer_lost(self) -> None:
-        self.streamer.forget_pending()
-        lost = list(self.running.values())
-        log.warning("tokenizer lost with %d requests in flight", len(lost))
+    def _tokenizer_lost(self, request_ids: set[str], sequence_numbers: set[int]) -> None:
+        """A tokenizer replica went away: the requests whose text state it held fail."""
+        self.streamer.forget_pending(sequence_numbers)
+        lost = [self.running[rid] for rid in request_ids if rid in self.running]
+        log.warning("tokenizer lost with %d requests in flight on it", len(lost))
         for request in lost:
             request.detokenizer_open = False
             self.end_request(request, UnavailableError("the tokenizer went away"))

@@ -26,7 +26,6 @@ import time
 from typing import Protocol
 
 from protos.sluice.v1 import common_pb2, engine_pb2, tokenizer_pb2
-from services.common import hop_trace
 from services.common.errors import SluiceError
 from services.router import metrics
 from services.router.convert import detokenize_options
@@ -85,8 +84,8 @@ class OutputStreamer:
         now = time.monotonic()
         # One message for the step, first tokens or not: with most tokens held as ids the
         # tokenizer's work per message is small, and a message of their own for first tokens
-        # cost more than it saved (BENCHMARKS.md, session 7). Their pieces are still pushed
-        # (and their servicers woken) before the others.
+        # cost more than it saved (A/B runs of benchmarks/stack_bench.py). Their pieces are
+        # still pushed (and their servicers woken) before the others.
         message = tokenizer_pb2.DetokenizeRequest()
         first: list[tuple] = []
         rest: list[tuple] = []
@@ -117,8 +116,6 @@ class OutputStreamer:
             if is_first:
                 first.append(entry)
                 request.first_step_at = request.first_step_at or now
-                if request.traced:
-                    hop_trace.mark("step", request.request_id, step.step_index)
             else:
                 rest.append(entry)
         self._send(message, first + rest)
@@ -159,10 +156,6 @@ class OutputStreamer:
         if record:
             message.sequence_number = self._tokenizer.next_sequence_number()
             self._pending[message.sequence_number] = record
-            if hop_trace.ENABLED:
-                for request, *_ in record:
-                    if request.traced and not request.completion_tokens:
-                        hop_trace.mark("detok_sent", request.request_id, message.sequence_number)
             self._tokenizer.send(message)
 
     def on_detokenized(self, response: tokenizer_pb2.DetokenizeResponse) -> None:
@@ -177,8 +170,6 @@ class OutputStreamer:
                 continue
             if not request.completion_tokens:
                 observe_first_token_phases(request, now)
-                if request.traced:
-                    hop_trace.mark("detok_read", request.request_id)
             delta = deltas.get(request.request_id)
             if finish_reason:
                 request.detokenizer_open = False  # told `finished`: it freed the state
@@ -214,6 +205,7 @@ class OutputStreamer:
         if self._pacing is not None:
             self._pacing.observe(tokens, now)
 
-    def forget_pending(self) -> None:
-        """The detokenize session dropped: its unanswered steps will never come back."""
-        self._pending.clear()
+    def forget_pending(self, sequence_numbers: set[int]) -> None:
+        """A detokenize session dropped: these unanswered messages will never come back."""
+        for sequence_number in sequence_numbers:
+            self._pending.pop(sequence_number, None)

@@ -182,3 +182,25 @@ def test_a_crash_loop_stops_the_stack_with_a_clear_message(tmp_path: Path) -> No
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_with_two_tokenizers_one_lost_fails_only_its_streams(tmp_path: Path) -> None:
+    log = (tmp_path / "up.log").open("w")
+    launcher, port = start_up(
+        log, "--no-ray", "--no-redis", "--metrics-port", "0", "--tokenizers", "2"
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        tokenizers = [pid for pid in child_pids(launcher.pid) if "serve tokenizer" in cmdline(pid)]
+        assert len(tokenizers) == 2
+        streams = Streams(address, 6)
+        kill_and_wait(tokenizers[0])
+        outcomes = streams.join()
+        # Streams are pinned round robin: the ones on the other replica finish.
+        assert outcomes.count("UNAVAILABLE") == 3 and outcomes.count("ok") == 3, outcomes
+        # The other replica serves new requests at once, while the lost one restarts.
+        assert seconds_until_served(address) < 1.0
+        assert launcher.poll() is None
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 0

@@ -413,7 +413,7 @@ def test_prompts_of_one_loop_turn_share_one_tokenize_batch(sessions: bool) -> No
         assert isinstance(results[6], InvalidArgumentError)
         assert stack.tokenizer.tokenize_batches[1:] == [7] + [1] * 7
         # The stream when the tokenizer's Info offers it; else Tokenize calls.
-        assert client.tokenize_session_supported is sessions
+        assert client.clients[0].tokenize_session_supported is sessions
         assert stack.tokenizer.tokenize_calls == (0 if sessions else 9)
         responses = await stack.collect(text_request(max_tokens=3))
         assert "".join(r.text for r in responses) == generated_text(3)
@@ -463,7 +463,7 @@ def test_prompts_waiting_on_a_lost_tokenizer_fail_unavailable_and_the_session_re
         await server.start()
         try:
             await eventually(lambda: stack.core.serving, "router serving again")
-            assert client.tokenize_session_supported
+            assert client.clients[0].tokenize_session_supported
             responses = await stack.collect(text_request(max_tokens=3))
             assert "".join(r.text for r in responses) == generated_text(3)
         finally:

@@ -1,0 +1,232 @@
+"""Which adapters are in host memory and in device slots, and who may evict what.
+
+Plain Python policy (no tensors): the tensor work is injected — `load(record)` reads and
+prepares an adapter's weights and runs on a background executor, so a step never waits for a
+disk read; `write_slot(slot, weights)` copies them into a device slot and runs on the step
+thread, between forward passes. The engine drives it:
+
+- `hold(name)` when a request arrives (NOT_FOUND for an unknown name, before anything queues):
+  the adapter is now in demand and `poll()` starts its load if it is not in memory.
+- `poll()` once per step: finished loads enter the host cache, failed ones are returned (their
+  requests end with that error), and loads start while the host cache has room.
+- `ready(record)` tells the scheduler whether a waiting request can be admitted; `acquire`
+  gives a running sequence a slot (pinned: never evicted while pinned), `release` unpins it on
+  finish or preemption, `drop` when the request is gone.
+
+Host cache (`max_cpu_loras`) and slots (`max_loras`) are LRU; the host cache evicts adapters
+nobody waits for first, and never one that a waiting request needs and that is in no slot.
+Entries are keyed by (name, checksum): re-registering a name with new files is a new adapter,
+and requests already running keep the files they started with.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import NotFoundError, SluiceError
+from services.engine.lora.records import AdapterRecord
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+
+
+@dataclass
+class _Slot:
+    key: Key | None = None
+    pins: int = 0
+
+
+class AdapterManager:
+    """Host cache and device slots of one engine's adapters, with pins and background loads."""
+
+    def __init__(
+        self,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        load: Callable[[AdapterRecord], Any],
+        write_slot: Callable[[int, Any], None],
+        executor: Executor | None = None,
+    ) -> None:
+        if max_loras < 1 or max_cpu_loras < max_loras:
+            raise ValueError("need 1 <= max_loras <= max_cpu_loras")
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self._load = load
+        self._write_slot = write_slot
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        self._records: dict[str, AdapterRecord] = {}
+        self._demand: dict[Key, int] = {}  # live requests per adapter, in order of first demand
+        self._wanted: dict[Key, AdapterRecord] = {}  # the record of each adapter in demand
+        self._failed: dict[Key, SluiceError] = {}  # loads that failed, until registered again
+        self._host: OrderedDict[Key, Any] = OrderedDict()  # LRU: oldest first
+        self._loading: dict[Key, tuple[AdapterRecord, Future[Any]]] = {}
+        self._slots = [_Slot() for _ in range(max_loras)]
+        self._slot_order: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
+        self.num_loads = 0
+        self.num_slot_writes = 0
+
+    # ---- catalogue ------------------------------------------------------------------------
+    def register(self, record: AdapterRecord) -> None:
+        """Add or replace the adapter called `record.name` (requests in flight keep theirs)."""
+        self._records[record.name] = record
+        self._failed.pop(record.key, None)
+
+    def unregister(self, name: str) -> bool:
+        """Forget a name; its memory goes once no request uses it. False if unknown."""
+        record = self._records.pop(name, None)
+        if record is None:
+            return False
+        if not self._demand.get(record.key):
+            self._host.pop(record.key, None)
+        return True
+
+    def record(self, name: str) -> AdapterRecord:
+        record = self._records.get(name)
+        if record is None:
+            raise NotFoundError(f"unknown adapter {name!r}")
+        return record
+
+    def records(self) -> list[AdapterRecord]:
+        return sorted(self._records.values(), key=lambda record: record.name)
+
+    # ---- requests -------------------------------------------------------------------------
+    def hold(self, name: str) -> AdapterRecord:
+        """A request for `name` arrived; NotFoundError if no such adapter is registered, or
+        the error of its failed load (until it is registered again)."""
+        record = self.record(name)
+        failure = self._failed.get(record.key)
+        if failure is not None:
+            raise type(failure)(failure.message)
+        self._demand[record.key] = self._demand.get(record.key, 0) + 1
+        self._wanted[record.key] = record
+        if record.key in self._host:
+            self._host.move_to_end(record.key)
+        return record
+
+    def drop(self, record: AdapterRecord) -> None:
+        """A request that held `record` is finished (or refused)."""
+        count = self._demand.get(record.key, 0) - 1
+        if count > 0:
+            self._demand[record.key] = count
+            return
+        self._demand.pop(record.key, None)
+        self._wanted.pop(record.key, None)
+        if self._records.get(record.name) is not record:  # unregistered or replaced
+            self._host.pop(record.key, None)
+
+    def ready(self, record: AdapterRecord) -> bool:
+        """Whether a sequence of this adapter can get a slot now (its weights are in memory)."""
+        return record.key in self._host or self._slot_of(record.key) is not None
+
+    def acquire(self, record: AdapterRecord) -> int | None:
+        """Pin a device slot holding `record` (writing it if needed); None: none can be had now."""
+        slot = self._slot_of(record.key)
+        if slot is None:
+            weights = self._host.get(record.key)
+            if weights is None:
+                return None
+            slot = self._free_slot()
+            if slot is None:
+                return None
+            self._write_slot(slot, weights)
+            self.num_slot_writes += 1
+            self._slots[slot].key = record.key
+        self._slots[slot].pins += 1
+        self._slot_order.move_to_end(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """A sequence stopped using `slot` (finished or preempted)."""
+        entry = self._slots[slot]
+        if entry.pins <= 0:
+            raise SluiceError(f"LoRA slot {slot} released more often than acquired")
+        entry.pins -= 1
+
+    # ---- step -----------------------------------------------------------------------------
+    def poll(self) -> list[tuple[AdapterRecord, SluiceError]]:
+        """Collect finished loads and start new ones; returns the loads that failed."""
+        failures: list[tuple[AdapterRecord, SluiceError]] = []
+        for key, (record, future) in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[key]
+            error = future.exception()
+            if error is None:
+                self.num_loads += 1
+                if self._demand.get(key) or len(self._host) < self.max_cpu_loras:
+                    self._host[key] = future.result()
+            else:
+                if not isinstance(error, SluiceError):
+                    logger.error("adapter %r failed to load", record.name, exc_info=error)
+                    error = SluiceError(f"adapter {record.name!r} failed to load: {error}")
+                self._failed[key] = error
+                failures.append((record, error))
+        for key in self._missing():
+            if not self._make_host_room():
+                break
+            record = self._wanted[key]
+            self._loading[key] = (record, self._executor.submit(self._load, record))
+        return failures
+
+    def resident(self) -> tuple[str, ...]:
+        """Names of the adapters in device slots (for the engine's load report)."""
+        names = {entry.key[0] for entry in self._slots if entry.key is not None}
+        return tuple(sorted(name for name in names if name in self._records))
+
+    def slot_of(self, record: AdapterRecord) -> int | None:
+        return self._slot_of(record.key)
+
+    @property
+    def num_loading(self) -> int:
+        """Adapters in demand whose weights are not in memory yet (loading or queued)."""
+        return len(self._loading) + len(self._missing())
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals ------------------------------------------------------------------------
+    def _missing(self) -> list[Key]:
+        """Adapters in demand that are nowhere in memory and not loading, oldest demand first."""
+        in_slots = {entry.key for entry in self._slots}
+        return [
+            key
+            for key in self._demand
+            if key not in self._host
+            and key not in self._loading
+            and key not in in_slots
+            and key not in self._failed
+        ]
+
+    def _slot_of(self, key: Key) -> int | None:
+        for index, entry in enumerate(self._slots):
+            if entry.key == key:
+                return index
+        return None
+
+    def _free_slot(self) -> int | None:
+        for index, entry in enumerate(self._slots):
+            if entry.key is None:
+                return index
+        for index in self._slot_order:  # least recently acquired first
+            if self._slots[index].pins == 0:
+                return index
+        return None
+
+    def _make_host_room(self) -> bool:
+        """Free a host entry if the cache (with loads in flight) is full; False if it can't."""
+        if len(self._host) + len(self._loading) < self.max_cpu_loras:
+            return True
+        in_slots = {entry.key for entry in self._slots}
+        for wanted in (False, True):  # adapters nobody waits for, then those already in slots
+            for key in self._host:
+                if bool(self._demand.get(key)) == wanted and (not wanted or key in in_slots):
+                    del self._host[key]
+                    return True
+        return False

@@ -1,0 +1,84 @@
+"""Device slots: every adapter's factors stacked per layer and projection, rank-padded.
+
+For each decoder layer and fused projection, one A buffer [max_loras, num_slices, max_rank, in]
+and one B buffer [max_loras, out, max_rank]. Writing an adapter into slot s fills row s (zeros
+past its rank and in projections it leaves out); a batch then refers to adapters only by slot
+index, so those indices (not the weights) are what changes from step to step — which lets them
+be CUDA-graph inputs, and lets one kernel launch serve every adapter of a batch.
+Host-side, `ranks[projection][slot]` (0: the adapter leaves that projection alone) lets the
+CPU path skip work and compute only each adapter's real rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.lora.projections import PROJECTIONS, ProjectionShape, projection_shapes
+from services.engine.lora.weights import AdapterWeights
+from services.engine.models.config import ModelConfig
+
+
+class LoRASlots:
+    """Stacked, rank-padded slot buffers for one model on one device."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers = model_config.num_layers
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.shapes: dict[str, ProjectionShape] = projection_shapes(model_config)
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for _ in range(self.num_layers):
+            a_layer, b_layer = {}, {}
+            for name in PROJECTIONS:
+                shape = self.shapes[name]
+                a_size = (max_loras, shape.num_slices, max_rank, shape.in_features)
+                a_layer[name] = torch.zeros(a_size, dtype=dtype, device=self.device)
+                b_size = (max_loras, shape.out_features, max_rank)
+                b_layer[name] = torch.zeros(b_size, dtype=dtype, device=self.device)
+            self.a.append(a_layer)
+            self.b.append(b_layer)
+        self.ranks: dict[str, list[int]] = {name: [0] * max_loras for name in PROJECTIONS}
+        self.names: list[str | None] = [None] * max_loras
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in (*self.a, *self.b) for t in layer.values())
+
+    def write(self, slot: int, weights: AdapterWeights) -> None:
+        """Put `weights` in `slot`, replacing whatever was there."""
+        if not 0 <= slot < self.max_loras:
+            raise IndexError(f"slot {slot} outside 0..{self.max_loras - 1}")
+        if weights.rank > self.max_rank:
+            raise ValueError(f"adapter rank {weights.rank} over the slot rank {self.max_rank}")
+        if len(weights.layers) != self.num_layers:
+            raise ValueError(f"adapter has {len(weights.layers)} layers, model {self.num_layers}")
+        self.clear(slot)
+        rank = weights.rank
+        for layer, projections in enumerate(weights.layers):
+            for name, factors in projections.items():
+                self.a[layer][name][slot, :, :rank].copy_(factors.a, non_blocking=True)
+                self.b[layer][name][slot, :, :rank].copy_(factors.b, non_blocking=True)
+        for name in weights.projections():
+            self.ranks[name][slot] = rank
+        self.names[slot] = weights.name
+
+    def clear(self, slot: int) -> None:
+        """Zero `slot` where its last adapter wrote (the rest is zero already)."""
+        for name in PROJECTIONS:
+            if self.ranks[name][slot]:
+                for layer in range(self.num_layers):
+                    self.a[layer][name][slot].zero_()
+                    self.b[layer][name][slot].zero_()
+                self.ranks[name][slot] = 0
+        self.names[slot] = None

@@ -1,0 +1,218 @@
+"""AdapterManager: background loads, LRU host cache and slots, pins that are never evicted."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Executor, Future
+from typing import Any
+
+import pytest
+
+from services.common.errors import FailedPreconditionError, NotFoundError, SluiceError
+from services.engine.lora.manager import AdapterManager
+from services.engine.lora.records import AdapterRecord
+
+
+class ManualExecutor(Executor):
+    """Runs submitted loads only when the test says so."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[Future, Any, tuple]] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        future: Future = Future()
+        self.queued.append((future, fn, args))
+        return future
+
+    def run_all(self) -> None:
+        queued, self.queued = self.queued, []
+        for future, fn, args in queued:
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001 - handed to the manager like a real executor
+                future.set_exception(exc)
+
+
+def record(name: str, checksum: str = "c") -> AdapterRecord:
+    return AdapterRecord(name=name, path=name, checksum=checksum, rank=8, modules=("q_proj",))
+
+
+def make(max_loras: int = 2, max_cpu_loras: int = 3, broken: tuple[str, ...] = ()):
+    executor = ManualExecutor()
+    written: list[tuple[int, str]] = []
+
+    def load(rec: AdapterRecord) -> str:
+        if rec.name in broken:
+            raise FailedPreconditionError(f"adapter {rec.name!r} changed on disk")
+        return f"weights:{rec.name}:{rec.checksum}"
+
+    manager = AdapterManager(
+        max_loras=max_loras,
+        max_cpu_loras=max_cpu_loras,
+        load=load,
+        write_slot=lambda slot, weights: written.append((slot, weights)),
+        executor=executor,
+    )
+    for name in ("a", "b", "c", "d", "e"):
+        manager.register(record(name))
+    return manager, executor, written
+
+
+def test_unknown_adapter_is_not_found_before_anything_queues() -> None:
+    manager, executor, _ = make()
+    with pytest.raises(NotFoundError, match="unknown adapter 'zzz'"):
+        manager.hold("zzz")
+    assert manager.poll() == [] and executor.queued == []
+
+
+def test_a_load_runs_off_the_step_and_the_request_waits_until_ready() -> None:
+    manager, executor, written = make()
+    a = manager.hold("a")
+    assert not manager.ready(a) and manager.acquire(a) is None
+    manager.poll()  # starts the load ...
+    assert len(executor.queued) == 1 and not manager.ready(a)
+    manager.poll()  # ... which does not finish by itself
+    assert len(executor.queued) == 1 and manager.num_loading == 1
+    executor.run_all()
+    manager.poll()
+    assert manager.ready(a) and manager.num_loading == 0
+    slot = manager.acquire(a)
+    assert slot == 0 and written == [(0, "weights:a:c")]
+    assert manager.acquire(a) == 0 and len(written) == 1  # a second sequence shares the slot
+    assert manager.resident() == ("a",)
+
+
+def _load(manager: AdapterManager, executor: ManualExecutor, *names: str) -> list[AdapterRecord]:
+    records = [manager.hold(name) for name in names]
+    manager.poll()
+    executor.run_all()
+    manager.poll()
+    return records
+
+
+def test_pinned_slots_are_never_evicted_and_lru_goes_first() -> None:
+    manager, executor, written = make(max_loras=2, max_cpu_loras=3)
+    a, b, c = _load(manager, executor, "a", "b", "c")
+    slot_a, slot_b = manager.acquire(a), manager.acquire(b)
+    assert {slot_a, slot_b} == {0, 1}
+    assert manager.acquire(c) is None  # both slots pinned: c waits
+    manager.release(slot_a)
+    manager.release(slot_b)
+    manager.acquire(b)  # b used again: a is now the least recently used
+    manager.release(slot_b)
+    assert manager.acquire(c) == slot_a
+    assert manager.slot_of(a) is None and manager.slot_of(b) == slot_b
+    assert written[-1] == (slot_a, "weights:c:c")
+    assert manager.resident() == ("b", "c")
+    manager.release(slot_a)  # c's pin
+    with pytest.raises(SluiceError, match="released more often"):
+        manager.release(slot_a)
+
+
+def test_host_cache_evicts_adapters_nobody_waits_for_first() -> None:
+    manager, executor, _ = make(max_loras=1, max_cpu_loras=2)
+    a, b = _load(manager, executor, "a", "b")
+    manager.drop(a)  # a's request is gone; b's still waits
+    c = manager.hold("c")
+    manager.poll()
+    executor.run_all()
+    manager.poll()
+    assert manager.ready(c) and manager.ready(b) and not manager.ready(a)
+
+
+def test_host_cache_full_of_waiting_adapters_delays_loads_instead_of_thrashing() -> None:
+    manager, executor, _ = make(max_loras=1, max_cpu_loras=1)
+    a, b = _load(manager, executor, "a", "b")
+    assert manager.ready(a) and not manager.ready(b) and manager.num_loading == 1
+    slot = manager.acquire(a)
+    manager.poll()  # a's host copy may go now that a slot holds it: b loads
+    executor.run_all()
+    manager.poll()
+    assert manager.ready(b) and manager.ready(a)
+    assert manager.acquire(b) is None  # the only slot is pinned by a
+    manager.release(slot)
+    manager.drop(a)
+    assert manager.acquire(b) == slot
+
+
+def test_an_evicted_adapter_still_in_demand_is_loaded_again() -> None:
+    manager, executor, _ = make(max_loras=1, max_cpu_loras=1)
+    (a,) = _load(manager, executor, "a")
+    slot = manager.acquire(a)
+    manager.release(slot)
+    b = manager.hold("b")
+    for _ in range(2):  # a's host copy makes room for b; b takes the slot
+        manager.poll()
+        executor.run_all()
+    manager.poll()
+    assert manager.acquire(b) == slot
+    manager.release(slot)
+    manager.drop(b)
+    assert not manager.ready(a)  # a is in neither the host cache nor a slot ...
+    manager.poll()
+    executor.run_all()
+    manager.poll()
+    assert manager.ready(a)  # ... and its waiting request brings it back
+
+
+def test_a_failed_load_is_reported_once_and_refuses_new_requests_until_reregistered() -> None:
+    manager, executor, _ = make(broken=("a",))
+    a = manager.hold("a")
+    manager.poll()
+    executor.run_all()
+    failures = manager.poll()
+    assert [(rec.name, type(error)) for rec, error in failures] == [("a", FailedPreconditionError)]
+    assert manager.poll() == [] and executor.queued == []  # no retry loop
+    with pytest.raises(FailedPreconditionError, match="changed on disk"):
+        manager.hold("a")
+    manager.drop(a)
+    manager.register(record("a"))
+    manager.hold("a")
+    manager.poll()
+    assert len(executor.queued) == 1
+
+
+def test_reregistering_a_name_serves_new_requests_the_new_files() -> None:
+    manager, executor, written = make()
+    (old,) = _load(manager, executor, "a")
+    slot = manager.acquire(old)
+    manager.register(record("a", checksum="new"))
+    (new,) = _load(manager, executor, "a")
+    assert new.key != old.key
+    new_slot = manager.acquire(new)
+    assert new_slot != slot and written[-1] == (new_slot, "weights:a:new")
+    manager.release(slot)
+    manager.drop(old)
+    assert manager.resident() == ("a",)
+    assert manager.unregister("a") and not manager.unregister("a")
+    with pytest.raises(NotFoundError):
+        manager.hold("a")
+    assert manager.resident() == ()
+
+
+def test_loads_run_on_another_thread_by_default() -> None:
+    threads: list[int] = []
+    done = threading.Event()
+
+    def load(rec: AdapterRecord) -> str:
+        threads.append(threading.get_ident())
+        done.set()
+        return rec.name
+
+    manager = AdapterManager(max_loras=1, max_cpu_loras=1, load=load, write_slot=lambda *_: None)
+    manager.register(record("a"))
+    a = manager.hold("a")
+    manager.poll()
+    assert done.wait(5)
+    for _ in range(500):
+        manager.poll()
+        if manager.ready(a):
+            break
+        threading.Event().wait(0.01)
+    assert manager.ready(a) and threads != [threading.get_ident()]
+    manager.shutdown()
+
+
+def test_limits_are_checked() -> None:
+    with pytest.raises(ValueError):
+        AdapterManager(max_loras=4, max_cpu_loras=2, load=str, write_slot=lambda *_: None)

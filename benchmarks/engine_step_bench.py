@@ -2,12 +2,12 @@
 
 The stack benchmark (stack_bench.py) needs the engine step of `dummy:tiny` well under ~4 ms at 64
 sequences, so this drives an LLMEngine in-process with `--concurrency` closed-loop greedy
-requests (`ignore_eos`, `--max-tokens` each, refilled as they finish) for `--duration` seconds
+requests (`ignore_eos`, `--max-tokens` each, refilled as they finish) for `--duration-s` seconds
 and prints tokens/s, the mean step time and its host share: the mean time per step outside the
 runner's forward (scheduling, the runner's `prepare_inputs`, stop checks, deltas), which this
 machine's noise in the forward does not swamp. `--profile FILE` writes a cProfile of the run.
 
-    python -m benchmarks.engine_step_bench --model dummy:tiny --concurrency 64 --duration 10
+    python -m benchmarks.engine_step_bench --model dummy:tiny --concurrency 64 --duration-s 10
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="dummy:tiny", help='model (default: dummy:tiny; "" = the default model)'
     )
     parser.add_argument("--concurrency", type=int, default=64, help="live requests")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds to run")
+    parser.add_argument("--duration-s", type=float, default=10.0, help="seconds to run")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt length, tokens")
     parser.add_argument(
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Drive the engine for `args.duration` seconds; tokens/s and mean step time."""
+    """Drive the engine for `args.duration_s` seconds; tokens/s and mean step time."""
     import torch
 
     config = EngineConfig(model=args.model or None, dtype=args.dtype)
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict:
         profiler.enable()
     forward_s[0] = 0.0
     start = time.perf_counter()
-    while time.perf_counter() - start < args.duration:
+    while time.perf_counter() - start < args.duration_s:
         out = engine.step()
         steps += 1
         for item in out.deltas:

@@ -6,7 +6,7 @@ stack (gRPC hops, detokenization, per-request streaming), not the model. It
    (services/launcher.py; or uses `--router/--engine/--tokenizer` of a running stack);
    `--synthetic-step-ms` replaces the engine by a model-free one (benchmarks/synthetic_engine.py);
 2. runs the same closed loop (benchmarks/stack_bench_clients.py: `--concurrency` staggered streams,
-   counted over `--duration` seconds after `--warmup`) straight to the engine over one
+   counted over `--duration-s` seconds after `--warmup-s`) straight to the engine over one
    EngineSession (the engine alone), then through the router's public Generate with text prompts.
    The load generator is a process of its own (benchmarks/stack_bench_load.py), by default at the
    lowest CPU priority (`--client-priority low`: nice 19, in its own session), so that on a small
@@ -28,7 +28,7 @@ so a bigger machine can show the same stack on 2 cores against more. `--client-c
 moves the load generator and the probe off them once the stack runs, as clients on other
 machines would be.
 
-    python -m benchmarks.stack_bench --model dummy:tiny --concurrency 64 --duration 10
+    python -m benchmarks.stack_bench --model dummy:tiny --concurrency 64 --duration-s 10
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ async def _run_load(
 ) -> tuple[RunResult, dict]:
     """One side's load in its own process (benchmarks/stack_bench_load.py, at --client-priority):
     CPU of every process sampled here at the window's edges, the probe started inside it."""
-    shape = LoadShape(args.concurrency, args.max_tokens, args.duration, args.warmup)
+    shape = LoadShape(args.concurrency, args.max_tokens, args.duration_s, args.warmup_s)
     argv = [
         sys.executable, "-m", "benchmarks.stack_bench_load", side, address,
         json.dumps(asdict(shape)), args.client_priority,
@@ -344,8 +344,8 @@ async def run(args: argparse.Namespace) -> dict:
         else ("adaptive" if args.stream_interval == 0 else args.stream_interval),
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
-        "duration_s": args.duration,
-        "warmup_s": args.warmup,
+        "duration_s": args.duration_s,
+        "warmup_s": args.warmup_s,
         "cpu_count": os.cpu_count(),
         "cpus": stack_cpus,
         "client_cpus": sorted(args.client_cpus) if args.client_cpus else None,
@@ -470,9 +470,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="dummy:tiny", help="engine model (default dummy:tiny)")
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent streams")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds counted per run")
+    parser.add_argument("--duration-s", type=float, default=10.0, help="seconds counted per run")
     parser.add_argument(
-        "--warmup", type=float, default=1.0, help="seconds of load before counting starts"
+        "--warmup-s", type=float, default=1.0, help="seconds of load before counting starts"
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     parser.add_argument("--router", help="router address of a running stack (else start one)")
@@ -562,8 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--client-cpus needs a stack this bench starts (no --router)")
     if args.router and not (args.engine and args.tokenizer):
         parser.error("--router needs --engine and --tokenizer")
-    if args.concurrency < 1 or args.max_tokens < 1 or args.duration <= 0 or args.warmup < 0:
-        parser.error("concurrency, max-tokens and duration must be positive, warmup >= 0")
+    if args.concurrency < 1 or args.max_tokens < 1 or args.duration_s <= 0 or args.warmup_s < 0:
+        parser.error("concurrency, max-tokens and duration-s must be positive, warmup-s >= 0")
     if not faulthandler.is_enabled():  # a crash of this client says where it happened
         with contextlib.suppress(OSError, ValueError):  # no real stderr (captured in a test)
             faulthandler.enable()

@@ -43,7 +43,7 @@ def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys, monkeypatc
     cpus = sorted(allowed)[:2]
     argv = [
         "--synthetic-step-ms", "2", "--concurrency", "8", "--max-tokens", "16",
-        "--duration", "1.5", "--warmup", "0.3", "--idle-samples", "3",
+        "--duration-s", "1.5", "--warmup-s", "0.3", "--idle-samples", "3",
         "--stream-interval", "2", "--cpus", ",".join(map(str, cpus)),
         "--client-cpus", ",".join(map(str, cpus)), "--json", str(report_path),
         "--hop-trace", str(tmp_path / "hops"),

@@ -1,9 +1,10 @@
 """Every duration a user or a caller sets names its unit (`shutdown_grace_s`, `stream_max_hold_ms`).
 
-Read from the source, not by importing it: each dataclass field typed float, and each argparse
-flag of type float, whose name speaks of time (timeout, grace, interval, TTL, backoff, ...) must
-end in a unit suffix. Config dataclass fields become `--flags` and `SLUICE_*` variables by their
-name (services/common/config.py), so this also covers those.
+Read from the source of services/, loadtest/ and benchmarks/, not by importing it: each
+dataclass field typed float, and each argparse flag of type float, whose name speaks of time
+(timeout, grace, interval, TTL, backoff, ...) must end in a unit suffix. Config dataclass fields
+become `--flags` and `SLUICE_*` variables by their name (services/common/config.py), so this
+also covers those.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("services", "loadtest")
+PACKAGES = ("services", "loadtest", "benchmarks")
 # Words of a name (split on "_" or "-") that make it a duration; "retry after" is one too.
 TIME_WORDS = frozenset(
     [

@@ -12,22 +12,30 @@ GPU (`num_gpus=1`, the default count being the GPUs Ray sees) or `--engines N` C
 Redis itself) and `max_task_retries=0` so nothing in flight is replayed. It waits for every actor
 to report ready and returns their addresses. `stop()` deregisters and stops the actors, then shuts
 Ray down if this process started it.
+
+`python -m services.ray_cluster --ray-address auto ...` is the same for a Ray cluster someone else
+started (the KubeRay head pod in deploy/k8s runs it after `ray start --head`): it joins, starts the
+engine actors (`--engine-port` pins their gRPC port on each node, so probes and network policies
+can name it), and holds them until SIGTERM, when it drains and deregisters them.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.config import field
-from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.config import add_arguments, field, from_layers
+from services.common.errors import InvalidArgumentError, SluiceError, UnavailableError
 from services.common.ports import free_port
 from services.common.redis_store import StoreConfig
 from services.engine.worker import EngineWorker, EngineWorkerSettings
-from services.engine.worker_config import WorkerConfig
+from services.engine.worker_config import WorkerConfig, build_parser
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,16 @@ class RayClusterConfig:
     engine_id_prefix: str = field("engine", help="engine ids are <prefix>-<index> in the registry")
     engine_ready_timeout_s: float = field(600.0, help="seconds to wait for engines to load")
     registration_ttl_s: float = field(10.0, help="TTL of an engine's registry entry")
+    engine_port: int | None = field(
+        None,
+        help="on a joined cluster, the gRPC port each engine actor binds on its node (None: a "
+        "free one; a taken port falls back to a free one)",
+    )
+    wait_for_gpus: bool = field(
+        False,
+        help="before placing engines, wait (up to --engine-ready-timeout-s) until the cluster "
+        "has one GPU per engine (--engines): on KubeRay the GPU workers join after the head",
+    )
 
     def __post_init__(self) -> None:
         if self.engines is not None and (not isinstance(self.engines, int) or self.engines < 1):
@@ -64,6 +82,8 @@ class RayClusterConfig:
             raise InvalidArgumentError("engine_id_prefix must be non-empty")
         if not self.engine_ready_timeout_s > 0 or not self.registration_ttl_s > 0:
             raise InvalidArgumentError("timeouts must be > 0")
+        if self.engine_port is not None and not 0 < self.engine_port < 65536:
+            raise InvalidArgumentError(f"engine_port must be in 1..65535, got {self.engine_port}")
 
 
 @dataclass
@@ -112,6 +132,17 @@ class RayCluster:
             log.warning("Ray token authentication is OFF for this cluster (RAY_AUTH_MODE)")
         return self
 
+    def wait_for_gpus(self, count: int, poll_s: float = 2.0) -> None:
+        """Block until Ray sees at least `count` GPUs (UnavailableError after the ready timeout)."""
+        import ray
+
+        deadline = time.monotonic() + self.config.engine_ready_timeout_s
+        while (gpus := int(ray.cluster_resources().get("GPU", 0))) < count:
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"the Ray cluster has {gpus} GPUs, {count} are needed")
+            log.info("waiting for GPUs: %d of %d in the Ray cluster", gpus, count)
+            time.sleep(poll_s)
+
     def engine_count(self) -> tuple[int, bool]:
         """(how many engines, whether each takes a GPU)."""
         import ray
@@ -144,7 +175,7 @@ class RayCluster:
                     network=replace(
                         worker.network,
                         host=bind_host,
-                        port=free_port(bind_host) if fixed_ports else 0,
+                        port=free_port(bind_host) if fixed_ports else self.config.engine_port or 0,
                     ),
                 ),
                 store=store,
@@ -239,3 +270,44 @@ def start_ray_engines(
         cluster.stop()
         raise
     return cluster
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m services.ray_cluster`: engine actors on a running Ray cluster until SIGTERM."""
+    parser = build_parser("python -m services.ray_cluster")
+    parser.description = "Join a Ray cluster and hold one engine actor per GPU until SIGTERM."
+    add_arguments(parser.add_argument_group("ray"), RayClusterConfig)
+    add_arguments(parser.add_argument_group("registry"), StoreConfig)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+        config = from_layers(RayClusterConfig, args)
+        worker = WorkerConfig.from_namespace(args)
+        store = from_layers(StoreConfig, args)
+        if config.ray_address is None:
+            raise InvalidArgumentError("--ray-address is needed (auto: the cluster of this node)")
+        if config.wait_for_gpus and config.engines is None:
+            raise InvalidArgumentError("--wait-for-gpus needs --engines")
+    except SluiceError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    cluster = RayCluster(config).start()
+    try:
+        if config.wait_for_gpus and config.engines is not None:
+            cluster.wait_for_gpus(config.engines)
+        engines = cluster.start_engines(worker, store, host=worker.network.host)
+    except SluiceError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    for engine in engines:
+        print(f"engine {engine.engine_id} ready at {engine.address}", flush=True)
+    stop.wait()
+    cluster.stop(timeout_s=worker.network.shutdown_grace_s + 5.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

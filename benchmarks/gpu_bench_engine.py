@@ -128,7 +128,7 @@ def measure_shape(shape: str, batches: list[int], max_tokens: int) -> dict[str, 
         "shape": shape,
         "runner": type(runner).__name__,
         "num_blocks": runner.num_blocks,
-        "graph_buckets": list(runner.fast.graphs.buckets) if hasattr(runner, "fast") else None,
+        "graph_buckets": list(runner.fast.graphs.buckets) if runner.fast is not None else None,
         "logits_rel_error_vs_torch_model": _check(engine, vocab),
     }
     _run(engine, _prompts(1, 16, vocab, 1), 8)  # warm-up (kernels, allocator)

@@ -1,8 +1,9 @@
 """The measurements of benchmarks.gpu_bench for one model shape (split out to keep files short).
 
-Order matters for memory on an 80 GB card: transformers' model is built, randomised, copied
-into the fused fast-path weights, timed and used as a reference, then freed before the large
-KV cache of the throughput runs is allocated.
+Order matters for memory on an 80 GB card: transformers' model is built, randomised, loaded
+into the engine's model (fused QKV and gate/up), timed and used as a reference, then freed
+before the large KV cache of the throughput runs is allocated; the engine's model then runs on
+the CUDA fast path (backends/cuda_fast_path.py), as in the engine.
 """
 
 from __future__ import annotations
@@ -70,6 +71,25 @@ def _build_transformers(shape: str):
     return config, model.eval()
 
 
+def _engine_model(shape: str, hf_model) -> torch.nn.Module:
+    """The engine's LlamaForCausalLM (bf16, on the GPU) holding transformers' weights."""
+    from services.common.protocol.dummy_shapes import dummy_config
+    from services.engine.models.config import ModelConfig
+    from services.engine.models.llama import LlamaForCausalLM
+
+    config = ModelConfig.from_dict(dummy_config(shape), name=f"dummy:{shape}")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        model.load_weights(hf_model.state_dict().items())
+    return model.eval().requires_grad_(False)
+
+
 def _transformers_generate_ms(model, vocab: int, new_tokens: int = 32) -> float:
     """Per-token decode time of transformers' generate at bs=1 (prompt 128, greedy)."""
     prompt = torch.randint(0, vocab, (1, 128), device="cuda")
@@ -98,13 +118,13 @@ def bench_shape(
     decode_steps: int,
     save: Callable[[], None],
 ) -> None:
-    from services.engine.backends.cuda_model import CudaLlama, ModelWeights
-    from services.engine.kernels.reference import llama_reference_logits
+    from benchmarks.gpu_bench_reference import llama_reference_logits
+    from services.engine.backends.cuda_fast_path import CudaFastPath
 
     config, hf_model = _build_transformers(shape)
     entry["model"] = f"dummy:{shape}"
     entry["parameters"] = sum(p.numel() for p in hf_model.parameters())
-    weights = ModelWeights.from_hf(hf_model)
+    model = _engine_model(shape, hf_model)
     vocab = config.vocab_size
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist()
@@ -127,10 +147,13 @@ def bench_shape(
     affordable = int((free - 10 * 2**30) // per_block)
     num_blocks = min(needed, affordable)
     entry["num_blocks"] = num_blocks
-    fast = CudaLlama(config, weights, num_blocks=num_blocks, block_size=block_size,
-                     max_blocks_per_seq=max_blocks,
-                     graph_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
-                                         if b <= max(batches)))  # fmt: skip
+    shape_of_cache = (num_blocks, block_size, config.num_key_value_heads, head_dim)
+    caches = [(torch.empty(shape_of_cache, dtype=torch.bfloat16, device="cuda"),
+               torch.empty(shape_of_cache, dtype=torch.bfloat16, device="cuda"))
+              for _ in range(config.num_hidden_layers)]  # fmt: skip
+    fast = CudaFastPath(model, caches, block_size=block_size, max_blocks_per_seq=max_blocks,
+                        graph_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
+                                            if b <= max(batches)))  # fmt: skip
     with torch.no_grad():
         for cache in fast.key_caches + fast.value_caches:
             cache.normal_(0.0, 1.0)
@@ -147,16 +170,16 @@ def bench_shape(
 
     from benchmarks.gpu_bench_timing import check_correctness, time_decode, time_prefill
 
-    with torch.no_grad():
+    with torch.inference_mode():
         check_correctness(fast, config, prompts, hf_last, entry, llama_reference_logits)
         save()
         # The decode floor: every parameter byte over the measured copy bandwidth; the
         # stricter one counts only the bytes a step reads (the embedding table is one row).
         bandwidth = ceilings["copy_gb_s"] * 1e9
-        decode_floor_ms = weights.parameter_bytes() / bandwidth * 1e3
-        read_floor_ms = weights.decode_bytes() / bandwidth * 1e3
-        entry["parameter_bytes"] = weights.parameter_bytes()
-        entry["decode_weight_bytes"] = weights.decode_bytes()
+        decode_floor_ms = fast.parameter_bytes() / bandwidth * 1e3
+        read_floor_ms = fast.decode_bytes() / bandwidth * 1e3
+        entry["parameter_bytes"] = fast.parameter_bytes()
+        entry["decode_weight_bytes"] = fast.decode_bytes()
         entry["decode_bs1_floor_ms"] = round(decode_floor_ms, 3)
         entry["decode_bs1_floor_read_bytes_ms"] = round(read_floor_ms, 3)
         time_decode(fast, entry, batches, decode_context, decode_steps, save)
@@ -170,5 +193,5 @@ def bench_shape(
         save()
         time_prefill(fast, config, entry, ceilings, PREFILL_BATCHES)
         save()
-    del fast, weights
+    del fast, model, caches
     torch.cuda.empty_cache()

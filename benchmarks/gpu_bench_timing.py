@@ -32,7 +32,7 @@ def _sequential_tables(lengths: list[int], block_size: int, first: int = 0) -> l
 
 def check_correctness(fast, config, prompts, hf_last, entry: dict[str, Any], reference) -> None:
     """Relative logit errors: fast path and transformers (bf16) against the fp32 reference."""
-    from services.engine.backends.cuda_model import prefill_metadata
+    from services.engine.backends.cuda_fast_path import prefill_metadata
 
     block_size = fast.block_size
     lengths = [len(p) + DECODE_CHECK_STEPS + 1 for p in prompts]
@@ -41,7 +41,7 @@ def check_correctness(fast, config, prompts, hf_last, entry: dict[str, Any], ref
         [len(p) for p in prompts], [0] * len(prompts), tables, block_size, "cuda"
     )
     logits = fast.forward(torch.tensor(sum(prompts, []), device="cuda"), positions, metadata)
-    ref32 = [reference(fast.weights, config, fast.cos, fast.sin, p)[-1] for p in prompts]
+    ref32 = [reference(fast.model, fast.cos, fast.sin, p)[-1] for p in prompts]
     result: dict[str, Any] = {
         "prefill_vs_fp32": [_relative_error(logits[i], ref32[i]) for i in range(len(prompts))],
         "transformers_bf16_vs_fp32": [
@@ -74,8 +74,7 @@ def check_correctness(fast, config, prompts, hf_last, entry: dict[str, Any], ref
         last = [row.clone() for row in step_logits]
         sequences = [s + [int(t)] for s, t in zip(sequences, next_tokens.tolist(), strict=True)]
     result["graph_decode_vs_fp32"] = [
-        _relative_error(last[i], reference(fast.weights, config, fast.cos, fast.sin,
-                                           sequences[i][:-1])[-1])
+        _relative_error(last[i], reference(fast.model, fast.cos, fast.sin, sequences[i][:-1])[-1])
         for i in range(len(prompts))
     ]  # fmt: skip
     fast_errors = (result["prefill_vs_fp32"] + result["graph_decode_vs_fp32"]
@@ -216,21 +215,22 @@ def time_decode(fast, entry, batches: list[int], context: int, steps: int, save)
         entry["decode_bs1_profile_error"] = repr(error)
 
 
-def _prefill_flops(config, lengths: list[int], weights) -> float:
+def _prefill_flops(config, lengths: list[int], model) -> float:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     tokens = sum(lengths)
     layer_params = sum(
-        layer.qkv.numel() + layer.output.numel() + layer.gate_up.numel() + layer.down.numel()
-        for layer in weights.layers
-    )
-    linear = 2 * layer_params * tokens + 2 * weights.lm_head.numel() * len(lengths)
+        layer.self_attn.qkv_proj.weight.numel() + layer.self_attn.o_proj.weight.numel()
+        + layer.mlp.gate_up_proj.weight.numel() + layer.mlp.down_proj.weight.numel()
+        for layer in model.model.layers
+    )  # fmt: skip
+    linear = 2 * layer_params * tokens + 2 * model.head_weight.numel() * len(lengths)
     causal_pairs = sum(n * (n + 1) / 2 for n in lengths)
     attention = 4 * causal_pairs * config.num_attention_heads * head_dim * config.num_hidden_layers
     return linear + attention
 
 
 def time_prefill(fast, config, entry, ceilings, batches: tuple[tuple[int, ...], ...]) -> None:
-    from services.engine.backends.cuda_model import prefill_metadata
+    from services.engine.backends.cuda_fast_path import prefill_metadata
 
     results = []
     for lengths in batches:
@@ -251,7 +251,7 @@ def time_prefill(fast, config, entry, ceilings, batches: tuple[tuple[int, ...], 
             end.synchronize()
             times.append(begin.elapsed_time(end))
         milliseconds = sorted(times)[len(times) // 2]
-        flops = _prefill_flops(config, list(lengths), fast.weights)
+        flops = _prefill_flops(config, list(lengths), fast.model)
         rate = flops / (milliseconds * 1e-3) / 1e12
         results.append({
             "lengths": list(lengths), "ms": round(milliseconds, 2),

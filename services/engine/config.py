@@ -23,7 +23,7 @@ class EngineConfig:
     model: str | None = field(
         None, help="model: None = default SmolLM2-135M, an HF dir, a .gguf file, or dummy:<shape>"
     )
-    backend: str = field("torch", help="forward backend (torch; cuda/tensorrt where built)")
+    backend: str = field("torch", help="attention backend: torch (any device) or cuda (Triton)")
     device: str = field("auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     dtype: str = field(
         "auto",

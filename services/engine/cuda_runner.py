@@ -1,37 +1,46 @@
-"""CudaModelRunner: the engine's ModelRunner on the CUDA fast path.
+"""CudaModelRunner: the engine's model runner on a CUDA device, with the fast path where it can.
 
-ModelRunner builds the model, its weights (already fused: one QKV and one gate/up matrix per
-layer) and the paged KV cache; this subclass runs the same weights and the same cache through
-backends/cuda_model.CudaLlama: Triton kernels for fused add + RMSNorm, rotary + KV store,
-paged attention and SwiGLU, the skinny matmul where it measures faster than cuBLAS, and pure
-decode steps as one CUDA graph replay per batch-size bucket. A decode step copies its token ids,
-positions and block tables from pinned host buffers without a sync, so the only wait of a step
-is the engine reading the sampled tokens. `launch_greedy` enqueues an all-greedy step and
-returns a handle at once, so LLMEngine can launch step N+1 (its decode tokens fed on the GPU
-from step N's argmax) before it reads step N's ids (services/engine/overlap.py). Prefill and
-mixed steps run the same kernels eagerly.
-The plain torch model stays bound to the same cache, so `reference_execute` checks the fast
-path against it. Models the fast path does not cover (biases, q/k norm, odd head sizes) are
-refused here; runner_factory then keeps the plain ModelRunner.
+BaseModelRunner builds the model, its weights (already fused: one QKV and one gate/up matrix
+per layer) and the paged KV cache on the GPU. Where the fast path covers the model (no
+projection biases or q/k norm, power-of-two head size, Triton importable), this runner binds
+backends/cuda_fast_path.CudaFastPath to the same model and cache: Triton kernels for fused
+add + RMSNorm, rotary + KV store, paged attention and SwiGLU, the skinny matmul where it
+measures faster than cuBLAS, and pure decode steps as one CUDA graph replay per batch-size
+bucket. A decode step copies its token ids, positions and block tables from pinned host
+buffers without a sync, so the only wait of a step is the engine reading the sampled tokens.
+`launch_greedy` enqueues an all-greedy step and returns a handle at once, so LLMEngine can
+launch step N+1 (its decode tokens fed on the GPU from step N's argmax) before it reads step
+N's ids (services/engine/overlap.py); the runner declares that in its capabilities. Prefill
+and mixed steps run the same kernels eagerly. `reference_execute` runs a step through the
+plain torch ops on the same weights and cache, for checks. Models the fast path does not
+cover run those plain ops (with the configured attention backend) for every step.
 """
 
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import torch
 
-from services.common.errors import FailedPreconditionError, InvalidArgumentError
+from services.common.errors import InvalidArgumentError
 from services.common.model_files import ModelFiles
-from services.engine.backends.cuda_model import CudaLlama, LayerWeights, ModelWeights
+from services.engine.config import EngineConfig
 from services.engine.cuda_graph import DEFAULT_BUCKETS
 from services.engine.forward_batch import ScheduledBatch
-from services.engine.model_runner import ModelRunner
+from services.engine.kernels import triton_available
+from services.engine.model_runner import (
+    BaseModelRunner,
+    PendingTokens,
+    RunnerCapabilities,
+    runner_arguments,
+)
 from services.engine.models.config import ModelConfig
 from services.engine.sequence import PENDING_TOKEN
 
 logger = logging.getLogger(__name__)
+
+# Attention backends the fast path replaces (it brings its own fused "cuda" attention).
+FAST_PATH_BACKENDS = ("torch", "cuda")
 
 
 def fast_path_unsupported(config: ModelConfig) -> str | None:
@@ -55,8 +64,9 @@ def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-class CudaModelRunner(ModelRunner):
-    """ModelRunner whose steps run the Triton kernels and, for decode, captured CUDA graphs."""
+class CudaModelRunner(BaseModelRunner):
+    """The model on a GPU; its steps run the Triton kernels and, for decode, captured CUDA
+    graphs, wherever the fast path covers the model (`self.fast` is None where it does not)."""
 
     def __init__(
         self,
@@ -64,28 +74,57 @@ class CudaModelRunner(ModelRunner):
         *,
         max_num_seqs: int = 256,
         use_cuda_graphs: bool = True,
-        **runner_kwargs,
+        fast_path: bool = True,
+        **kwargs,
     ) -> None:
-        super().__init__(model_files, **runner_kwargs)
-        if self.device.type != "cuda":
-            raise InvalidArgumentError("CudaModelRunner needs a CUDA device")
-        config = self.model_config
-        reason = fast_path_unsupported(config)
+        kwargs.setdefault("device", "cuda")
+        if torch.device(kwargs["device"]).type != "cuda":
+            raise InvalidArgumentError(
+                f"CudaModelRunner needs a CUDA device, not {kwargs['device']}"
+            )
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError("device 'cuda' requested but CUDA is not available")
+        self._max_num_seqs = max_num_seqs
+        self.use_cuda_graphs = use_cuda_graphs
+        self._want_fast_path = fast_path
+        self.fast = None
+        self.fast_path_off_reason: str | None = None
+        self.graph_steps = 0
+        self.eager_steps = 0
+        super().__init__(model_files, **kwargs)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, model_files: ModelFiles) -> CudaModelRunner:
+        return cls(model_files, max_num_seqs=config.max_num_seqs, **runner_arguments(config))
+
+    def _why_not_fast(self) -> str | None:
+        if not self._want_fast_path:
+            return "turned off"
+        if self.backend_name not in FAST_PATH_BACKENDS:
+            return f"backend {self.backend_name!r}"
+        if not triton_available():
+            return "Triton is not installed"
+        return fast_path_unsupported(self.model_config)
+
+    def _bind_kernels(self) -> str:
+        reason = self._why_not_fast()
         if reason is not None:
-            raise FailedPreconditionError(f"the CUDA fast path does not support {reason}")
-        self.fast = CudaLlama(
-            _hf_style_config(config),
-            _weights_of(self.model),
-            num_blocks=self.num_blocks,
+            self.fast_path_off_reason = reason
+            self.capabilities = RunnerCapabilities(greedy_ids=True)
+            return f"CUDA fast path off ({reason})"
+        from services.engine.backends.cuda_fast_path import CudaFastPath
+
+        config = self.model_config
+        max_num_seqs = self._max_num_seqs
+        self.fast = CudaFastPath(
+            self.model,
+            list(self.kv_cache.layers),
             block_size=self.block_size,
             max_blocks_per_seq=-(-config.max_model_len // self.block_size),
             graph_buckets=graph_buckets(max_num_seqs),
-            kv_caches=list(self.kv_cache.layers),
-            rotary=_rotary_of(self.model),
         )
         self.fast.tune_skinny_matmuls()
-        self.use_cuda_graphs = use_cuda_graphs
-        if use_cuda_graphs:
+        if self.use_cuda_graphs:
             self.fast.capture_graphs()
         largest = self.fast.graphs.max_batch_size
         width = self.fast._static.block_tables.shape[1]
@@ -103,19 +142,19 @@ class CudaModelRunner(ModelRunner):
         self._previous_rows: dict[int, int] = {}
         self._previous_ids: torch.Tensor | None = None
         # LLMEngine schedules a step ahead only for batches one graph replay takes.
-        self.overlap_max_batch = largest if use_cuda_graphs else 0
-        self.graph_steps = 0
-        self.eager_steps = 0
-        logger.info(
-            "CUDA fast path: graphs %s for buckets %s, skinny matmuls %d",
-            "on" if use_cuda_graphs else "off",
-            self.fast.graphs.buckets,
-            len(self.fast.skinny_choices),
+        self.capabilities = RunnerCapabilities(
+            greedy_ids=True, overlap_max_batch=largest if self.use_cuda_graphs else 0
+        )
+        return (
+            f"CUDA fast path: graphs {'on' if self.use_cuda_graphs else 'off'} for buckets "
+            f"{self.fast.graphs.buckets}, skinny matmuls {len(self.fast.skinny_choices)}"
         )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step; float32 logits [batch.num_logits, vocab_size] on the GPU."""
+        if self.fast is None:
+            return super().execute(batch)
         self._previous_rows = {}
         if not batch.sequences:
             return torch.empty((0, self.model_config.vocab_size), device=self.device)
@@ -127,6 +166,8 @@ class CudaModelRunner(ModelRunner):
     def execute_greedy(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step; int64 argmax token ids [batch.num_logits] (the all-greedy path): a
         graph decode step already samples on the GPU, so only those ids reach the host."""
+        if self.fast is None:
+            return super().execute_greedy(batch)
         self._previous_rows = {}
         if not batch.sequences:
             return torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -135,10 +176,12 @@ class CudaModelRunner(ModelRunner):
         return self._eager(batch).argmax(dim=-1)
 
     @torch.inference_mode()
-    def launch_greedy(self, batch: ScheduledBatch) -> PendingIds:
+    def launch_greedy(self, batch: ScheduledBatch) -> PendingTokens:
         """Enqueue one all-greedy step and return at once; `.result()` waits for its argmax
         ids [batch.num_logits]. A decode token may be sequence.PENDING_TOKEN: it is then the
         id the previous launch sampled for the same sequence, fed on the device."""
+        if self.fast is None:
+            return super().launch_greedy(batch)
         if not batch.sequences:
             ids = torch.empty((0,), dtype=torch.int64, device=self.device)
         elif self._graph_ready(batch):
@@ -171,17 +214,16 @@ class CudaModelRunner(ModelRunner):
         """Prefill, mixed or oversized steps: the fused kernels without a graph."""
         input_ids, positions, metadata = self.prepare_inputs(batch)
         self.eager_steps += 1
-        if metadata.logits_indices.numel() == 0:
-            # Still run the layers: the step's K/V must land in the cache.
-            metadata.logits_indices = metadata.query_start_loc[1:2].long() - 1
-            self.fast.forward(input_ids, positions, metadata)
-            return torch.empty((0, self.model_config.vocab_size), device=self.device)
+        # Every token's K/V lands in the cache, whether any row samples or not.
         return self.fast.forward(input_ids, positions, metadata)
 
     @torch.inference_mode()
     def reference_execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The same step through the plain torch model (the CPU path's code), for checks."""
-        return ModelRunner.execute(self, batch)
+        """The same step through the plain torch ops (the CPU path's code), for checks."""
+        if self.fast is None:
+            return super().execute(batch)
+        with self.fast.reference():
+            return super().execute(batch)
 
     def _graph_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 logits [n, vocab], argmax ids [n]): views of the graph's static outputs."""
@@ -266,43 +308,3 @@ class _HostInputs:
         self.sources = torch.full((rows,), -1, dtype=torch.long).pin_memory()
         self.copies_done = torch.cuda.Event()
         self.copies_done.record()
-
-
-def _hf_style_config(config: ModelConfig) -> SimpleNamespace:
-    """The Hugging Face attribute names CudaLlama reads."""
-    return SimpleNamespace(
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        hidden_size=config.hidden_size,
-        rms_norm_eps=config.rms_norm_eps,
-    )
-
-
-def _weights_of(model: torch.nn.Module) -> ModelWeights:
-    """Views of the engine model's (already fused) parameters; nothing is copied."""
-    layers = []
-    for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        layers.append(
-            LayerWeights(
-                input_norm=layer.input_layernorm.weight.detach(),
-                qkv=attention.qkv_proj.weight.detach(),
-                output=attention.o_proj.weight.detach(),
-                post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=mlp.gate_up_proj.weight.detach(),
-                down=mlp.down_proj.weight.detach(),
-            )
-        )
-    embed = model.model.embed_tokens.weight.detach()
-    head = embed if model.lm_head is None else model.lm_head.weight.detach()
-    return ModelWeights(embed, layers, model.model.norm.weight.detach(), head)
-
-
-def _rotary_of(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's own cos/sin tables (rope scaling included), halved for the fused kernel."""
-    rotary = model.model.rotary
-    half = rotary.head_dim // 2
-    cos = rotary.cos_cache[:, :half].float().contiguous()
-    sin = rotary.sin_cache[:, :half].float().contiguous()
-    return cos, sin

@@ -5,9 +5,11 @@ Not thread-safe: one thread drives it (the worker's forward loop, or `LLM.genera
 whose logits came back, checks their stop conditions and returns every sequence's news in one
 `StepOutput`, plus the engine's load. Requests are validated at `add_request` with messages meant
 for the caller; an aborted request's blocks are freed at once and it is reported once, with
-finish reason ABORT, by the next step. With a runner that can launch a step without waiting
-(the CUDA runner's `launch_greedy`), all-greedy steps overlap: each `step()` launches the next
-step before reading this one's sampled ids (services/engine/overlap.py); outputs are the same.
+finish reason ABORT, by the next step. The runner (model_runner.ModelRunner) declares its
+capabilities: with an argmax-only greedy step, all-greedy steps skip the logits; with steps
+launched without waiting (the CUDA fast path's `launch_greedy`), all-greedy steps overlap: each
+`step()` launches the next step before reading this one's sampled ids
+(services/engine/overlap.py); outputs are the same.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import (
     AlreadyExistsError,
@@ -26,6 +29,7 @@ from services.common.errors import (
 from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.forward_batch import ScheduledBatch
 from services.engine.outputs import (
     EngineLoad,
     FinishReason,
@@ -37,6 +41,10 @@ from services.engine.overlap import LaunchedStep, OverlappedSteps, can_schedule_
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import Sequence
+
+if TYPE_CHECKING:  # the runner modules import torch; the engine's policy code does not
+    from services.common.model_files import ModelFiles
+    from services.engine.model_runner import ModelRunner, PendingTokens
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +71,12 @@ class EngineInfo:
 class LLMEngine(OverlappedSteps):
     """Continuous-batching engine over one model runner."""
 
-    def __init__(self, config: EngineConfig, *, model_runner: Any | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, model_runner: ModelRunner | None = None) -> None:
         self.config = config
-        self.model_files: Any = getattr(model_runner, "model_files", None)
         if model_runner is None:
-            model_runner, self.model_files = self._build_runner(config)
-        self.runner = model_runner
+            model_runner = self._build_runner(config)
+        self.runner: ModelRunner = model_runner
+        self.model_files: ModelFiles | None = model_runner.model_files
         model_config = model_runner.model_config
         self.block_manager = BlockManager(
             model_runner.num_blocks, model_runner.block_size, config.enable_prefix_caching
@@ -86,12 +94,18 @@ class LLMEngine(OverlappedSteps):
         )
         eos = tuple(int(token) for token in model_config.eos_token_ids)
         self.sampler = Sampler(eos, seed=config.seed)
-        # The all-greedy fast path, where the runner offers one (other runners: the sampler).
-        self._execute_greedy = getattr(model_runner, "execute_greedy", None)
+        # What the runner declares it can do decides the step paths; None: not taken.
+        capabilities = model_runner.capabilities
+        # The all-greedy fast path (argmax ids without logits); otherwise the sampler.
+        self._execute_greedy: Callable[[ScheduledBatch], Any] | None = (
+            model_runner.execute_greedy if capabilities.greedy_ids else None
+        )
         # Overlapped greedy steps (services/engine/overlap.py), where the runner can launch a
-        # step without waiting for it (the CUDA runner); others keep the plain path.
-        self._launch_greedy = getattr(model_runner, "launch_greedy", None)
-        self._overlap_max_batch = int(getattr(model_runner, "overlap_max_batch", 0))
+        # step without waiting for it (the CUDA fast path); others keep the plain path.
+        self._launch_greedy: Callable[[ScheduledBatch], PendingTokens] | None = (
+            model_runner.launch_greedy if capabilities.supports_overlap else None
+        )
+        self._overlap_max_batch = capabilities.overlap_max_batch
         self._launched: LaunchedStep | None = None
         self.num_overlapped_steps = 0
         self.info = EngineInfo(
@@ -114,13 +128,11 @@ class LLMEngine(OverlappedSteps):
         self._seq_ids = itertools.count()
 
     @staticmethod
-    def _build_runner(config: EngineConfig) -> tuple[Any, Any]:
+    def _build_runner(config: EngineConfig) -> ModelRunner:
         from services.common.model_files import resolve_model
         from services.engine.runner_factory import create_model_runner
 
-        files = resolve_model(config.model)
-        runner = create_model_runner(config, files)
-        return runner, files
+        return create_model_runner(config, resolve_model(config.model))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(

@@ -1,59 +1,100 @@
-"""ModelRunner: owns the weights, the paged KV cache and the attention backend; runs one step.
+"""The model runner interface LLMEngine drives, and the device-neutral base of its runners.
 
+A runner owns the weights, the paged KV cache and the attention backend, and runs one step:
 `execute(batch)` turns the scheduler's ScheduledBatch into flat tensors (token ids, positions,
 cache slots, per-sequence offsets and lengths, padded block tables), runs the model over the
 paged cache, and returns float32 logits only for the sequences that sample this step (the LM
 head runs on those rows alone). Host-side preparation is a handful of list operations and one
 tensor per field, so the per-step overhead stays small at batch 1 and batch 32 alike.
 
+`ModelRunner` is the protocol: what LLMEngine reads, including the `RunnerCapabilities` a
+runner declares (an argmax-only greedy step, steps launched without waiting), so the engine
+never probes a runner for optional methods. `BaseModelRunner` is what every device shares
+(configuration, weights, KV cache, input preparation, the plain forward); cpu_runner.py and
+cuda_runner.py are its siblings, and runner_factory.py picks one by device type.
+
 Default dtype (`default_dtype`): bfloat16 on CUDA; on CPU bfloat16 when the CPU multiplies
 bf16 natively (AVX512-BF16 or AMX, ~4x the float32 matmul rate on such CPUs, as vLLM's CPU
 backend defaults to), else float32. KV budget per kv_cache.py.
-
-On CPU the runner also packs the linear weights and the LM head for oneDNN once at load
-(layers/linear.py), tunes glibc malloc to reuse freed activations (keep_freed_cpu_memory), and
-binds the native fused kernels (kernels/cpu_native.py; `cpu_kernels=False` keeps PyTorch ops).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from services.common.errors import InvalidArgumentError
+from services.common.errors import FailedPreconditionError, InvalidArgumentError
 from services.common.model_files import ModelFiles
 from services.common.protocol.dummy_shapes import dummy_config
 from services.engine.backends.base import get_backend
+from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
-from services.engine.kernels.cpu.cpu_native import cpu_kernels as load_cpu_kernels
 from services.engine.kv_cache import KVCache
 from services.engine.layers.attention_metadata import AttentionMetadata
-from services.engine.layers.linear import pack_linear_layers
 from services.engine.loader.weights import build_model
 from services.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-# CPU models at most this wide run their ops on one torch thread (see ModelRunner.__init__).
-SINGLE_THREAD_MAX_HIDDEN = 256
-# glibc mallopt parameters (malloc.h) and the values set for CPU inference (see
-# keep_freed_cpu_memory): blocks up to 32 MiB come from the heap, which keeps up to 1 GiB free.
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_CPU_MALLOC_SETTINGS = (
-    (_M_MMAP_THRESHOLD, 32 << 20),
-    (_M_TRIM_THRESHOLD, 1 << 30),
-    (_M_TOP_PAD, 64 << 20),
-)
-_allocator_tuned = False
-# Model dtypes the native CPU kernels (kernels/cpu_native.py) cover.
-NATIVE_CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+@dataclass(frozen=True)
+class RunnerCapabilities:
+    """What a runner can do beyond `execute`; LLMEngine plans its steps from these."""
+
+    # execute_greedy returns the argmax ids without building the [rows, vocab] logits.
+    greedy_ids: bool = False
+    # launch_greedy enqueues an all-greedy step and returns at once, for batches of at most
+    # this many sequences, so the engine may schedule the next step before reading its ids
+    # (services/engine/overlap.py); 0: the runner cannot.
+    overlap_max_batch: int = 0
+
+    @property
+    def supports_overlap(self) -> bool:
+        return self.overlap_max_batch > 0
 
 
-class ModelRunner:
-    """One model on one device with its KV cache; `execute` runs a scheduled step."""
+class PendingTokens(Protocol):
+    """A launched step's sampled ids; `result()` waits for them (one per sampled sequence)."""
+
+    def result(self) -> list[int]: ...
+
+
+class ModelRunner(Protocol):
+    """One model on one device with its paged KV cache, as LLMEngine uses it."""
+
+    model_config: Any  # ModelConfig: name, vocab_size, max_model_len, eos_token_ids
+    model_files: ModelFiles | None
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    capabilities: RunnerCapabilities
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step; float32 logits [batch.num_logits, vocab_size]."""
+        ...
+
+    def execute_greedy(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step; int64 argmax ids [batch.num_logits] (capabilities.greedy_ids)."""
+        ...
+
+    def launch_greedy(self, batch: ScheduledBatch) -> PendingTokens:
+        """Enqueue one all-greedy step and return at once (capabilities.overlap_max_batch)."""
+        ...
+
+
+class BaseModelRunner:
+    """Configuration, weights, KV cache, input preparation and the plain forward of a runner.
+
+    Subclasses set up their device around the build through three hooks: `_prepare_device`
+    (before any weight exists), `_prepare_model` (weights loaded, no cache yet) and
+    `_bind_kernels` (cache and attention bound).
+    """
+
+    capabilities = RunnerCapabilities(greedy_ids=True)
 
     def __init__(
         self,
@@ -67,23 +108,14 @@ class ModelRunner:
         max_model_len: int | None = None,
         backend: str = "torch",
         seed: int = 0,
-        cpu_kernels: bool = True,
     ) -> None:
-        self.model_files = model_files
+        self.model_files: ModelFiles | None = model_files
         self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidArgumentError("device 'cuda' requested but CUDA is not available")
         self.dtype = dtype or default_dtype(self.device)
         self.block_size = block_size
         self.model_config = load_model_config(model_files, max_model_len)
         config = self.model_config
-        if self.device.type == "cpu" and config.hidden_size <= SINGLE_THREAD_MAX_HIDDEN:
-            # A tiny model's ops are too small to split: extra threads only spin and contend
-            # with the router/tokenizer processes (measured: ~13 ms vs 10-60 ms per step of
-            # dummy:tiny at 64 sequences on 2 cores).
-            torch.set_num_threads(1)
-        if self.device.type == "cpu":
-            keep_freed_cpu_memory()
+        self._prepare_device(config)
         backend_cls = get_backend(backend)  # fail fast, before loading any weights
         torch.manual_seed(seed)
         self.model = build_model(
@@ -93,9 +125,7 @@ class ModelRunner:
             dtype=self.dtype,
             seed=seed,
         )
-        if self.device.type == "cpu":  # oneDNN-prepacked weights: 1.2-3x faster projections
-            pack_linear_layers(self.model, exclude=("lm_head",))
-            self.model.pack_lm_head()
+        self._prepare_model()
         self.backend_name = backend
         self.backend = backend_cls(
             config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5
@@ -110,12 +140,7 @@ class ModelRunner:
         )
         self.num_blocks = self.kv_cache.num_blocks
         self.model.bind_attention(self.backend, self.kv_cache.layers)
-        self.cpu_kernels = None
-        if self.device.type == "cpu" and cpu_kernels and self.dtype in NATIVE_CPU_DTYPES:
-            self.cpu_kernels = load_cpu_kernels()
-            self.model.use_cpu_kernels(self.cpu_kernels)
-            if hasattr(self.backend, "cpu_kernels"):
-                self.backend.cpu_kernels = self.cpu_kernels
+        extras = self._bind_kernels()
         logger.info(
             "model %s on %s (%s): %d KV blocks of %d tokens, backend %s%s",
             config.name,
@@ -124,9 +149,21 @@ class ModelRunner:
             self.num_blocks,
             block_size,
             backend,
-            ", native CPU kernels" if self.cpu_kernels is not None else "",
+            f", {extras}" if extras else "",
         )
 
+    # ---- device hooks ---------------------------------------------------------------------
+    def _prepare_device(self, config: ModelConfig) -> None:
+        """Before the weights are built (threads, allocator, device checks)."""
+
+    def _prepare_model(self) -> None:
+        """After the weights are built, before the KV cache is allocated."""
+
+    def _bind_kernels(self) -> str:
+        """After cache and attention are bound; returns what to add to the start-up line."""
+        return ""
+
+    # ---- steps ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step; float32 logits [batch.num_logits, vocab_size] on self.device."""
@@ -145,6 +182,12 @@ class ModelRunner:
         if selected is None:
             return torch.empty((0,), dtype=torch.int64, device=self.device)
         return self.model.compute_greedy(selected)
+
+    def launch_greedy(self, batch: ScheduledBatch) -> PendingTokens:
+        """Runners that declare no overlap (capabilities) cannot launch without waiting."""
+        raise FailedPreconditionError(
+            f"{type(self).__name__} cannot launch a step without waiting for it"
+        )
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Hidden states of the rows that need logits, or None when no row does."""
@@ -235,29 +278,18 @@ class ModelRunner:
         return input_ids, position_tensor, metadata
 
 
-def keep_freed_cpu_memory() -> bool:
-    """Make glibc malloc reuse freed activation memory instead of mapping fresh pages.
-
-    By default glibc serves blocks over 128 KiB-32 MiB with mmap and gives them back on free, so
-    every step's activations (a few MiB each) come back as new pages that the kernel must fault
-    in and zero: measured 2-4x slower attention and ~25 % slower batch-32 generation of SmolLM2
-    on CPU. Raising the mmap and trim thresholds keeps those blocks in the heap for reuse (the
-    process keeps up to ~1 GiB of freed memory). Once per process; False where not glibc.
-    """
-    global _allocator_tuned
-    if _allocator_tuned:
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    _allocator_tuned = all(mallopt(param, value) == 1 for param, value in _CPU_MALLOC_SETTINGS)
-    if _allocator_tuned:
-        logger.info("glibc malloc tuned for CPU inference (freed activations are reused)")
-    return _allocator_tuned
+def runner_arguments(config: EngineConfig) -> dict[str, Any]:
+    """The BaseModelRunner arguments every runner takes from an EngineConfig."""
+    return dict(
+        device=config.resolved_device(),
+        dtype=None if config.dtype == "auto" else getattr(torch, config.dtype),
+        block_size=config.block_size,
+        kv_cache_bytes=config.kv_cache_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+        backend=config.backend,
+        seed=config.seed,
+    )
 
 
 def cpu_has_native_bfloat16() -> bool:

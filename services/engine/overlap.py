@@ -1,8 +1,9 @@
 """Overlapped greedy steps: launch step N+1 before reading step N's sampled tokens.
 
-Used by LLMEngine when its runner offers `launch_greedy(batch) -> handle` (the CUDA runner):
-the launch enqueues the forward pass and the GPU argmax and returns at once; `handle.result()`
-waits for that step's token ids. While step N runs, the engine schedules step N+1 as if every
+Used by LLMEngine when its runner declares `overlap_max_batch` in its capabilities
+(model_runner.RunnerCapabilities; the CUDA fast path does): `launch_greedy(batch)` enqueues
+the forward pass and the GPU argmax and returns at once; `handle.result()` waits for that
+step's token ids. While step N runs, the engine schedules step N+1 as if every
 sequence of step N continues: each gets a placeholder token (sequence.PENDING_TOKEN) that the
 runner fills on the device from step N's sampled ids, so the host never waits between steps.
 Once step N's ids arrive the placeholders are resolved; a sequence that stopped at step N has
@@ -20,13 +21,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from services.common.errors import FailedPreconditionError
 from services.engine.block_manager import BlockManager
 from services.engine.outputs import SequenceDelta
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the runner modules import torch; this module is plain Python
+    from services.engine.forward_batch import ScheduledBatch
+    from services.engine.model_runner import PendingTokens
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ logger = logging.getLogger(__name__)
 class LaunchedStep:
     """A step enqueued on the device whose sampled ids the host has not read yet."""
 
-    handle: Any  # the runner's handle: result() -> list[int], one id per sampled sequence
+    handle: PendingTokens  # result() -> list[int], one id per sampled sequence
     scheduled: list[tuple[Sequence, int]]
     to_sample: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0
@@ -86,7 +91,7 @@ class OverlappedSteps:
 
     scheduler: Scheduler
     block_manager: BlockManager
-    _launch_greedy: Any
+    _launch_greedy: Callable[[ScheduledBatch], PendingTokens] | None
     _requests: dict[str, Sequence]
 
     def _launch(
@@ -100,6 +105,8 @@ class OverlappedSteps:
                 or any(count != 1 for _, count in plan.scheduled)
             ):
                 raise FailedPreconditionError("a step scheduled ahead is not a pure decode step")
+            if self._launch_greedy is None:
+                raise FailedPreconditionError("the model runner cannot launch without waiting")
             handle = self._launch_greedy(plan.batch)
         except Exception as exc:
             logger.exception("launching a forward step failed")

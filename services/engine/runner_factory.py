@@ -1,65 +1,42 @@
-"""create_model_runner: pick the engine's model runner for a config.
+"""create_model_runner: the engine's model runner for a config, from a registry by device type.
 
-On a CUDA device with Triton importable and a model the fast path covers, the engine gets
-cuda_runner.CudaModelRunner (Triton kernels, decode CUDA graphs per batch bucket); everywhere
-else (CPU, no Triton, biases or q/k norm) the plain ModelRunner, so the CPU path is unchanged.
-Torch and Triton are imported lazily: importing this module stays cheap.
+"cpu" is cpu_runner.CpuModelRunner (oneDNN-packed weights, native CPU kernels); "cuda" is
+cuda_runner.CudaModelRunner, which takes the fast path (Triton kernels, decode CUDA graphs per
+batch bucket) where Triton and the model allow and the plain torch ops otherwise. Each runner
+class builds itself from the EngineConfig (`from_engine_config`). Runner modules are imported
+on first use, so importing this module stays cheap (no torch, no Triton).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING
 
+from services.common.errors import InvalidArgumentError
 from services.common.model_files import ModelFiles
 from services.engine.config import EngineConfig
 
-logger = logging.getLogger(__name__)
-
-FAST_PATH_BACKENDS = ("torch", "cuda")
-
-
-def create_model_runner(config: EngineConfig, model_files: ModelFiles) -> Any:
-    """A ModelRunner (or its CUDA fast-path subclass) built from the engine config."""
-    import torch
-
+if TYPE_CHECKING:
     from services.engine.model_runner import ModelRunner
 
-    device = config.resolved_device()
-    kwargs = dict(
-        device=device,
-        dtype=None if config.dtype == "auto" else getattr(torch, config.dtype),
-        block_size=config.block_size,
-        kv_cache_bytes=config.kv_cache_bytes,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_model_len=config.max_model_len,
-        backend=config.backend,
-        seed=config.seed,
-        cpu_kernels=config.cpu_kernels,
-    )
-    reason = _why_not_fast(config, model_files, device)
-    if reason is not None:
-        if device.startswith("cuda"):
-            logger.info("CUDA fast path off (%s): plain ModelRunner", reason)
-        return ModelRunner(model_files, **kwargs)
-    from services.engine.cuda_runner import CudaModelRunner
-
-    return CudaModelRunner(model_files, max_num_seqs=config.max_num_seqs, **kwargs)
+# device type -> "module:class" of its runner
+RUNNERS: dict[str, str] = {
+    "cpu": "services.engine.cpu_runner:CpuModelRunner",
+    "cuda": "services.engine.cuda_runner:CudaModelRunner",
+}
 
 
-def _why_not_fast(config: EngineConfig, model_files: ModelFiles, device: str) -> str | None:
-    if not device.startswith("cuda"):
-        return "not a CUDA device"
-    if config.backend not in FAST_PATH_BACKENDS:
-        return f"backend {config.backend!r}"
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed"
-    import torch
+def runner_class(device_type: str) -> type:
+    """The runner class registered for `device_type` ("cpu", "cuda")."""
+    target = RUNNERS.get(device_type)
+    if target is None:
+        known = ", ".join(sorted(RUNNERS))
+        raise InvalidArgumentError(f"no model runner for device {device_type!r}; known: {known}")
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    from services.engine.cuda_runner import fast_path_unsupported
-    from services.engine.model_runner import load_model_config
 
-    return fast_path_unsupported(load_model_config(model_files, config.max_model_len))
+def create_model_runner(config: EngineConfig, model_files: ModelFiles) -> ModelRunner:
+    """The runner of the config's device, built from the engine config."""
+    device_type = config.resolved_device().partition(":")[0]
+    return runner_class(device_type).from_engine_config(config, model_files)

@@ -1,7 +1,8 @@
-"""ModelRunner with backend "cuda" against backend "torch" on the same GPU and dummy weights.
+"""The plain CudaModelRunner (fast path off) with attention backend "cuda" against "torch" on the
+same GPU and dummy weights.
 
-Runs a batched prefill, a chunked prefill over a cached prefix and decode steps through
-[model]'s ModelRunner, so the registered Triton backend is checked inside the real engine path.
+Runs a batched prefill, a chunked prefill over a cached prefix and decode steps through the
+runner, so the registered Triton backend is checked inside the real engine path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def runners():
     from services.common.model_files import ModelFiles
-    from services.engine.model_runner import ModelRunner
+    from services.engine.cuda_runner import CudaModelRunner
 
     files = ModelFiles(
         name="dummy:smollm2-135m", weights_dir=None, tokenizer_dir=Path("."),
@@ -28,10 +29,11 @@ def runners():
     )  # fmt: skip
     made = {}
     for backend in ("torch", "cuda"):
-        made[backend] = ModelRunner(
+        made[backend] = CudaModelRunner(
             files, device="cuda", dtype=torch.bfloat16, kv_cache_bytes=64 * 2**20,
-            backend=backend, seed=3,
+            backend=backend, seed=3, fast_path=False,
         )  # fmt: skip
+        assert made[backend].fast is None
     return made
 
 

@@ -1,4 +1,5 @@
-"""The CUDA fast-path model against transformers' LlamaForCausalLM on the same random weights.
+"""The engine's Llama on the CUDA fast path against transformers' LlamaForCausalLM on the same
+random weights (saved as a checkpoint and loaded by CudaModelRunner, fast path bound).
 
 Covers batched prefill, chunked prefill over a cached prefix, eager decode and decode through
 CUDA graphs (padded buckets), on a small GQA shape with llama3 rope scaling (GPU only).
@@ -21,10 +22,11 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def models():
+def models(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from services.engine.backends.cuda_model import CudaLlama, ModelWeights
+    from services.common.model_files import ModelFiles
+    from services.engine.cuda_runner import CudaModelRunner
 
     config = LlamaConfig(
         vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -42,13 +44,16 @@ def models():
                 parameter.normal_(1.0, 0.1)
             else:
                 parameter.normal_(0.0, 0.05)
-    fast = CudaLlama(
-        config, ModelWeights.from_hf(reference), num_blocks=64, block_size=BLOCK_SIZE,
-        max_blocks_per_seq=32, graph_buckets=(1, 2, 4, 8),
+    directory = tmp_path_factory.mktemp("llama-gqa")
+    reference.save_pretrained(directory)
+    runner = CudaModelRunner(
+        ModelFiles("llama-gqa", directory, directory), device=DEVICE, dtype=DTYPE,
+        block_size=BLOCK_SIZE, max_model_len=512, kv_cache_bytes=8 << 20, max_num_seqs=8,
+        use_cuda_graphs=USE_GRAPHS,
     )  # fmt: skip
-    if USE_GRAPHS:
-        fast.capture_graphs()
-    return reference, fast
+    assert runner.fast is not None, runner.fast_path_off_reason
+    assert runner.fast.graphs.buckets == (1, 2, 4, 8)
+    return reference, runner.fast
 
 
 def _reference_logits(reference, tokens: list[int]) -> torch.Tensor:
@@ -68,7 +73,7 @@ def _tables(lengths: list[int], first_block: int = 3) -> list[list[int]]:
 
 
 def test_batched_and_chunked_prefill_match_transformers(models) -> None:
-    from services.engine.backends.cuda_model import prefill_metadata
+    from services.engine.backends.cuda_fast_path import prefill_metadata
 
     reference, fast = models
     generator = torch.Generator().manual_seed(1)
@@ -98,7 +103,7 @@ def test_batched_and_chunked_prefill_match_transformers(models) -> None:
 
 
 def test_greedy_decode_matches_transformers(models) -> None:
-    from services.engine.backends.cuda_model import prefill_metadata
+    from services.engine.backends.cuda_fast_path import prefill_metadata
 
     reference, fast = models
     generator = torch.Generator().manual_seed(2)
@@ -131,7 +136,7 @@ def test_greedy_decode_matches_transformers(models) -> None:
 
 
 def test_decode_next_feeds_sampled_tokens_on_the_gpu(models) -> None:
-    from services.engine.backends.cuda_model import prefill_metadata
+    from services.engine.backends.cuda_fast_path import prefill_metadata
 
     reference, fast = models
     if not USE_GRAPHS:

@@ -3,6 +3,7 @@ KV cache, and LLMEngine on CUDA running its decode steps through CUDA graphs (GP
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -82,13 +83,20 @@ def test_bad_decode_input_is_rejected(runner) -> None:
         runner.execute(short)
 
 
-def test_factory_picks_the_fast_path_on_cuda_only() -> None:
+def test_factory_picks_the_fast_path_on_cuda_only(runner) -> None:
     from services.engine.config import EngineConfig
-    from services.engine.runner_factory import _why_not_fast
+    from services.engine.cpu_runner import CpuModelRunner
+    from services.engine.cuda_runner import CudaModelRunner, fast_path_unsupported
+    from services.engine.runner_factory import runner_class
 
+    assert runner_class("cuda") is CudaModelRunner and runner_class("cpu") is CpuModelRunner
     config = EngineConfig(model=f"dummy:{SHAPE}", device="cuda")
-    assert _why_not_fast(config, _files(), "cuda") is None
-    assert _why_not_fast(config, _files(), "cpu") == "not a CUDA device"
+    assert fast_path_unsupported(runner.model_config) is None and runner.fast is not None
+    assert runner.capabilities.greedy_ids and runner.capabilities.supports_overlap
+    assert runner.capabilities.overlap_max_batch == runner.fast.graphs.max_batch_size
+    assert config.resolved_device() == "cuda"
+    qk_norm = dataclasses.replace(runner.model_config, qk_norm=True)
+    assert fast_path_unsupported(qk_norm) == "per-head q/k norm"
 
 
 def test_engine_on_cuda_uses_graphs_and_finishes(runner) -> None:

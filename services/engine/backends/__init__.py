@@ -1,4 +1,5 @@
-"""Attention backends, chosen by name from a registry: "torch" (any device) here, "cuda" later.
+"""Attention backends, chosen by name from a registry: "torch" (any device, the CPU path) and
+"cuda" (Triton paged attention), plus the CUDA fast path that binds Triton kernels to the model.
 
 A backend writes each step's new K/V into the paged cache and computes attention for a flat,
 unpadded batch described by AttentionMetadata. The model code never knows which one runs.

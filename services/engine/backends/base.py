@@ -2,7 +2,9 @@
 
 One backend instance serves every layer of a model. The runner calls `prepare(metadata)` once
 per step (host-side planning, index tensors) and each layer calls `forward`, which stores the
-new K/V at `metadata.slot_mapping` and returns attention over the whole cached context.
+new K/V at `metadata.slot_mapping` and returns attention over the whole cached context. A
+backend that `fuses_rotary` also takes q/k unrotated (`forward_rotary`) and rotates them in the
+same kernel that writes the cache.
 Backends register by name; the module that defines one is imported lazily on first use.
 """
 
@@ -14,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.common.errors import InvalidArgumentError
+from services.common.errors import FailedPreconditionError, InvalidArgumentError
 from services.engine.layers.attention_metadata import AttentionMetadata
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
@@ -30,6 +32,9 @@ class AttentionBackend(ABC):
     """Paged attention over flat token batches; K/V cache layout per attention_metadata.py."""
 
     name: str = ""
+    # True where forward_rotary serves: q/k come unrotated and one kernel rotates them while
+    # writing the cache (the CUDA fast path binds its rotary tables to the "cuda" backend).
+    fuses_rotary: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads % num_kv_heads != 0:
@@ -55,6 +60,19 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D] → output [T, H, D]; caches updated in place."""
+
+    def forward_rotary(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """forward() for query [T, H * D] and key/value [T, KVH * D] not yet rotated."""
+        raise FailedPreconditionError(f"attention backend {self.name!r} does not fuse rotary")
 
 
 def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.kernels.triton.decode_attention import choose_num_splits, paged_decode_attention
+from services.engine.kernels.triton.decode_attention import (
+    choose_num_splits,
+    paged_decode_attention,
+)
 from services.engine.kernels.triton.prefill_attention import paged_prefill_attention
 from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
 from services.engine.layers.attention_metadata import AttentionMetadata

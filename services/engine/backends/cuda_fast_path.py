@@ -1,204 +1,190 @@
-"""A Llama forward pass for CUDA built on the Triton kernels: the fast path's model.
+"""The CUDA fast path: Triton kernels bound to the engine's one Llama model, decode in CUDA graphs.
 
-Per layer: fused residual-add + RMSNorm, one QKV matmul (weights concatenated at load), the
-fused rotary + KV-cache store kernel, paged attention (kernels via CudaPagedAttention), the
-output projection, fused add + RMSNorm, one gate/up matmul, SwiGLU, the down projection. Decode
-runs through CUDA graphs per batch-size bucket with greedy sampling (argmax) on the GPU, slot
-mapping computed on the GPU, and inputs copied from pinned memory without a host sync, so the
-host prepares step N+1 while step N runs and only reading the sampled tokens waits.
-Weights come from a Hugging Face LlamaForCausalLM (random or loaded), config from its config.
+Not a second model: `CudaFastPath` takes a models/llama.LlamaForCausalLM (its weights already
+fused: one QKV and one gate/up matrix per layer) and binds, per op, what runs on the GPU: the
+Triton fused residual-add + RMSNorm and SwiGLU (`use_fused_ops`), each projection through the
+Triton skinny matmul at the row counts where it measures faster than cuBLAS (TunedLinear), an
+attention backend whose store kernel also rotates q/k (`fuses_rotary`), and the LM head the
+same way. The model's own forward then runs those kernels, eagerly for prefill and mixed
+steps, and, captured once per batch-size bucket, as one CUDA graph replay per greedy decode
+step with the argmax on the GPU. Decode inputs are copied from pinned memory without a host
+sync, so the host prepares step N+1 while step N runs and only reading the sampled tokens
+waits; `sources` feeds a token the previous step sampled without the host reading it.
+`reference()` unbinds all of it for a while, so checks can run the plain torch ops on the
+same weights and KV cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as functional
+from torch import nn
 
 from services.common.errors import InvalidArgumentError
-from services.engine.backends.cuda_attention import CudaPagedAttention
+from services.engine.backends.base import AttentionBackend
+from services.engine.backends.cuda_backend import CudaAttentionBackend
 from services.engine.cuda_graph import DEFAULT_BUCKETS, DecodeCudaGraphs
 from services.engine.kernels.triton.rms_norm import rms_norm
-from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
 from services.engine.kernels.triton.skinny_matmul import pick_fastest, skinny_matmul
 from services.engine.kernels.triton.swiglu import swiglu
 from services.engine.layers.attention_metadata import AttentionMetadata
 
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    output: torch.Tensor
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+# The model's projections by role: each role's matrices share one tuned choice per row count.
+_ROLES = {"qkv_proj": "qkv", "o_proj": "output", "gate_up_proj": "gate_up", "down_proj": "down"}
 
 
-@dataclass
-class ModelWeights:
-    embed: torch.Tensor
-    layers: list[LayerWeights]
-    final_norm: torch.Tensor
-    lm_head: torch.Tensor
+class TritonOps:
+    """The fused element-wise Triton kernels (layers/fused_ops.FusedOps) for CUDA tensors."""
 
-    @classmethod
-    def from_hf(cls, model: torch.nn.Module) -> ModelWeights:
-        """Fused copies of a LlamaForCausalLM's weights (QKV and gate/up concatenated)."""
-        layers = []
-        for layer in model.model.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            qkv = [attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]
-            layers.append(
-                LayerWeights(
-                    input_norm=layer.input_layernorm.weight.detach().clone(),
-                    qkv=torch.cat(qkv, dim=0).detach(),
-                    output=attention.o_proj.weight.detach().clone(),
-                    post_norm=layer.post_attention_layernorm.weight.detach().clone(),
-                    gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).detach(),
-                    down=mlp.down_proj.weight.detach().clone(),
-                )
-            )
-        embed = model.model.embed_tokens.weight.detach().clone()
-        head = model.lm_head.weight.detach()
-        lm_head = embed if head.data_ptr() == model.model.embed_tokens.weight.data_ptr() else head
-        return cls(embed, layers, model.model.norm.weight.detach().clone(), lm_head.clone())
+    def supports(self, x: torch.Tensor) -> bool:
+        return x.is_cuda
 
-    def decode_bytes(self) -> int:
-        """Bytes a decode step must read: every weight except the embedding table (one row)."""
-        total = self.final_norm.numel() * self.final_norm.element_size()
-        total += self.lm_head.numel() * self.lm_head.element_size()
-        for layer in self.layers:
-            for tensor in vars(layer).values():
-                total += tensor.numel() * tensor.element_size()
-        return total
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, residual, weight, eps)
 
-    def parameter_bytes(self) -> int:
-        """Bytes of every parameter, the embedding table included (the issue's floor counts
-        these; a tied lm_head counts once)."""
-        total = self.decode_bytes()
-        if self.lm_head.data_ptr() != self.embed.data_ptr():
-            total += self.embed.numel() * self.embed.element_size()
-        return total
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate_up)
 
 
-def rotary_tables(config, max_position: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """cos/sin [max_position, head_dim // 2] float32 with the model's own rope scaling."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+class TunedLinear(nn.Module):
+    """`x W^T (+ b)` that takes the Triton skinny matmul at the row counts tuned for it.
 
-    try:
-        rotary = LlamaRotaryEmbedding(config)
-    except TypeError:  # older transformers take (config, device)
-        rotary = LlamaRotaryEmbedding(config, device=None)
-    inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
-    angles = torch.arange(max_position, device=device, dtype=torch.float32)[:, None] * inv_freq
-    scaling = float(getattr(rotary, "attention_scaling", 1.0))
-    return (angles.cos() * scaling).contiguous(), (angles.sin() * scaling).contiguous()
+    Holds the replaced nn.Linear's own parameters (nothing is copied; state-dict names stay).
+    """
+
+    def __init__(self, linear: nn.Linear, role: str) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.role = role
+        self.choices: dict[int, tuple] = {}  # row count -> skinny matmul configuration
+        self.active = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        config = self.choices.get(x.shape[0]) if self.active else None
+        if config is None or self.bias is not None:
+            return functional.linear(x, self.weight, self.bias)
+        return skinny_matmul(x, self.weight, config)
 
 
-class CudaLlama:
-    """Llama on CUDA over a paged KV cache; eager forward plus graph-captured greedy decode."""
+class CudaFastPath:
+    """A LlamaForCausalLM on CUDA over its paged KV cache, with Triton kernels bound."""
 
     def __init__(
         self,
-        config,
-        weights: ModelWeights,
+        model: nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         *,
-        num_blocks: int,
         block_size: int = 16,
         max_blocks_per_seq: int = 512,
         graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """kv_caches: per layer (key, value) caches to share (e.g. the engine's), else allocated;
-        rotary: float32 (cos, sin) [max_position, head_dim // 2], else built from the config."""
-        self.config = config
-        self.weights = weights
-        self.device = weights.embed.device
-        self.dtype = weights.embed.dtype
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.eps = config.rms_norm_eps
-        self.scale = self.head_dim**-0.5
+        config = model.config
+        self.model = model
+        self.device = model.head_weight.device
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.attention = CudaPagedAttention()
-        if kv_caches is None:
-            shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-            kv_caches = [
-                (
-                    torch.empty(shape, dtype=self.dtype, device=self.device),
-                    torch.empty(shape, dtype=self.dtype, device=self.device),
-                )
-                for _ in weights.layers
-            ]
+        self.num_blocks = kv_caches[0][0].shape[0]
         self.key_caches = [key for key, _ in kv_caches]
         self.value_caches = [value for _, value in kv_caches]
-        if rotary is None:
-            rotary = rotary_tables(config, max_blocks_per_seq * block_size, self.device)
-        self.cos, self.sin = rotary
+        self.attention = CudaAttentionBackend(
+            config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5
+        )
+        rotary = model.model.rotary  # the model's own tables (rope scaling included), halved
+        half = rotary.head_dim // 2
+        self.cos = rotary.cos_cache[:, :half].float().contiguous()
+        self.sin = rotary.sin_cache[:, :half].float().contiguous()
+        self.attention.bind_rotary(self.cos, self.sin)
+        self._plain_backends: list[AttentionBackend | None] = [
+            layer.backend for layer in model.attention_layers
+        ]
+        self.linears = _tune_projections(model)
+        self.head_choices: dict[int, tuple] = {}
+        self.skinny_choices: dict[tuple[str, int], tuple] = {}
         self._static = _StaticDecodeBuffers(
-            max(graph_buckets), max_blocks_per_seq, weights.lm_head.shape[0], self.device
+            max(graph_buckets), max_blocks_per_seq, model.config.vocab_size, self.device
         )
         self.graphs = DecodeCudaGraphs(self._graph_step, graph_buckets)
-        self.skinny_choices: dict[tuple[str, int], tuple] = {}
+        self._bind()
+
+    # ---- binding --------------------------------------------------------------------------
+    def _bind(self) -> None:
+        model = self.model
+        model.use_fused_ops(TritonOps())
+        for layer, key_cache, value_cache in zip(
+            model.attention_layers, self.key_caches, self.value_caches, strict=True
+        ):
+            layer.backend, layer.key_cache, layer.value_cache = (
+                self.attention,
+                key_cache,
+                value_cache,
+            )
+        for linear in self.linears:
+            linear.active = True
+        model.head_projection = self._head
+
+    def _unbind(self) -> None:
+        model = self.model
+        model.use_fused_ops(None)
+        for layer, backend in zip(model.attention_layers, self._plain_backends, strict=True):
+            layer.backend = backend
+        for linear in self.linears:
+            linear.active = False
+        model.head_projection = None
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The plain torch ops (and the runner's own attention backend) for the duration."""
+        self._unbind()
+        try:
+            yield
+        finally:
+            self._bind()
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        config = self.head_choices.get(hidden.shape[0])
+        if config is None:
+            return functional.linear(hidden, self.model.head_weight)
+        return skinny_matmul(hidden, self.model.head_weight, config)
 
     def tune_skinny_matmuls(self, row_counts: tuple[int, ...] = (1, 2, 4, 8)) -> None:
-        """Per projection and small row count, use the Triton skinny matmul where it measures
-        faster than cuBLAS over all layers' weights (call before capture_graphs)."""
-        layers = self.weights.layers
-        roles = {
-            "qkv": [layer.qkv for layer in layers],
-            "output": [layer.output for layer in layers],
-            "gate_up": [layer.gate_up for layer in layers],
-            "down": [layer.down for layer in layers],
-            "lm_head": [self.weights.lm_head],
-        }
-        for role, matrices in roles.items():
+        """Per projection role and small row count, use the Triton skinny matmul where it
+        measures faster than cuBLAS over all layers' weights (call before capture_graphs)."""
+        roles: dict[str, list[TunedLinear]] = {}
+        for linear in self.linears:
+            roles.setdefault(linear.role, []).append(linear)
+        with torch.inference_mode():
+            for role, linears in roles.items():
+                for rows in row_counts:
+                    config = pick_fastest([linear.weight.detach() for linear in linears], rows)
+                    if config is not None:
+                        self.skinny_choices[(role, rows)] = config
+                        for linear in linears:
+                            linear.choices[rows] = config
             for rows in row_counts:
-                config = pick_fastest(matrices, rows)
+                config = pick_fastest([self.model.head_weight.detach()], rows)
                 if config is not None:
-                    self.skinny_choices[(role, rows)] = config
+                    self.skinny_choices[("lm_head", rows)] = config
+                    self.head_choices[rows] = config
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, role: str) -> torch.Tensor:
-        config = self.skinny_choices.get((role, x.shape[0]))
-        if config is None:
-            return functional.linear(x, weight)
-        return skinny_matmul(x, weight, config)
-
+    # ---- eager steps ----------------------------------------------------------------------
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """float32 logits [len(metadata.logits_indices), vocab] for one flat step."""
-        weights = self.weights
-        hidden = functional.embedding(input_ids, weights.embed)
-        residual = None
-        q_width = self.num_heads * self.head_dim
-        kv_width = self.num_kv_heads * self.head_dim
-        tokens = input_ids.shape[0]
-        for index, layer in enumerate(weights.layers):
-            normed, residual = rms_norm(hidden, residual, layer.input_norm, self.eps)
-            qkv = self._linear(normed, layer.qkv, "qkv")
-            query, key, value = qkv.split([q_width, kv_width, kv_width], dim=-1)
-            key_cache, value_cache = self.key_caches[index], self.value_caches[index]
-            query = rotary_kv_store(
-                query, key, value, positions, self.cos, self.sin, metadata.slot_mapping,
-                key_cache, value_cache,
-            )  # fmt: skip
-            attended = self.attention.forward(query, key_cache, value_cache, metadata, self.scale)
-            hidden = self._linear(attended.view(tokens, q_width), layer.output, "output")
-            normed, residual = rms_norm(hidden, residual, layer.post_norm, self.eps)
-            gate_up = self._linear(normed, layer.gate_up, "gate_up")
-            hidden = self._linear(swiglu(gate_up), layer.down, "down")
-        rows = metadata.logits_indices
-        normed, _ = rms_norm(hidden[rows], residual[rows], weights.final_norm, self.eps)
-        return self._linear(normed, weights.lm_head, "lm_head").float()
+        """float32 logits [len(metadata.logits_indices), vocab] for one flat step (the K/V of
+        every token lands in the cache, rows that sample or not)."""
+        hidden = self.model(input_ids, positions, metadata)
+        rows = hidden.index_select(0, metadata.logits_indices)
+        return self.model.compute_logits(rows).float()
 
+    # ---- graph-captured greedy decode -----------------------------------------------------
     def capture_graphs(self) -> None:
-        self.graphs.capture()
+        with torch.inference_mode():
+            self.graphs.capture()
 
     def _graph_step(self, batch_size: int) -> None:
         buffers = self._static
@@ -218,8 +204,10 @@ class CudaLlama:
             max_seq_len=0,
             is_pure_decode=True,
             logits_indices=buffers.logits_indices[:batch_size],
+            block_size=self.block_size,
         )
-        logits = self.forward(buffers.input_ids[:batch_size], positions, metadata)
+        hidden = self.model(buffers.input_ids[:batch_size], positions, metadata)
+        logits = self.model.compute_logits(hidden).float()
         buffers.logits[:batch_size] = logits
         buffers.next_tokens[:batch_size] = logits.argmax(dim=-1)
 
@@ -278,6 +266,41 @@ class CudaLlama:
         self.graphs.replay(count)
         return buffers.logits[:count], buffers.next_tokens[:count]
 
+    # ---- sizes ----------------------------------------------------------------------------
+    def decode_bytes(self) -> int:
+        """Bytes a decode step must read: every weight except the embedding table (one row)."""
+        embed = self.model.model.embed_tokens.weight
+        total = 0
+        for parameter in self.model.parameters():
+            if parameter is not embed:
+                total += parameter.numel() * parameter.element_size()
+        if self.model.lm_head is None:  # tied: the table is read whole as the LM head
+            total += embed.numel() * embed.element_size()
+        return total
+
+    def parameter_bytes(self) -> int:
+        """Bytes of every parameter, the embedding table included (a tied head counts once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def _tune_projections(model: nn.Module) -> list[TunedLinear]:
+    """Swap the model's projection nn.Linears for TunedLinear (same parameters) in place."""
+    tuned = []
+    for name, module in list(model.named_modules()):
+        role = _ROLES.get(name.rpartition(".")[2])
+        if role is None:
+            continue
+        if isinstance(module, TunedLinear):
+            tuned.append(module)
+            continue
+        if type(module) is not nn.Linear:
+            raise InvalidArgumentError(f"{name} is a {type(module).__name__}, not a projection")
+        parent_name, _, child = name.rpartition(".")
+        replacement = TunedLinear(module, role)
+        setattr(model.get_submodule(parent_name), child, replacement)
+        tuned.append(replacement)
+    return tuned
+
 
 class _StaticDecodeBuffers:
     """The fixed tensors captured decode graphs read and write."""
@@ -328,5 +351,6 @@ def prefill_metadata(
         max_seq_len=max(seq_lens),
         is_pure_decode=all(q == 1 for q in query_lens) and all(c > 0 for c in context_lens),
         logits_indices=tensor(logits_rows, torch.long),
+        block_size=block_size,
     )
     return tensor(positions, torch.long), metadata

@@ -1,4 +1,4 @@
-"""Plain-PyTorch references of every kernel in this package (float32 math, any device).
+"""Plain-PyTorch references of the Triton kernels in kernels/triton/ (float32 math, any device).
 
 The GPU tests compare each Triton kernel with these; they are also the readable statement of
 what each kernel computes. KV cache layout: [num_blocks, block_size, num_kv_heads, head_dim].
@@ -96,41 +96,3 @@ def paged_attention_ref(
         scores = scores.masked_fill(mask[None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
     return out
-
-
-def llama_reference_logits(
-    weights, config, cos: torch.Tensor, sin: torch.Tensor, tokens: list[int]
-) -> torch.Tensor:
-    """float32 logits [len(tokens), vocab] of one sequence: dense causal Llama, plain PyTorch.
-
-    `weights` is a backends.cuda_model.ModelWeights (fused QKV and gate/up); each layer's
-    weights are upcast to float32 on the fly, so an 8B model needs no float32 copy of itself.
-    """
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    eps = config.rms_norm_eps
-    ids = torch.tensor(tokens, device=weights.embed.device)
-    positions = torch.arange(len(tokens), device=ids.device)
-    hidden = weights.embed[ids].float()
-
-    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-    for layer in weights.layers:
-        qkv = norm(hidden, layer.input_norm) @ layer.qkv.float().T
-        query, key, value = qkv.split(
-            [heads * head_dim, kv_heads * head_dim] + [kv_heads * head_dim], -1
-        )
-        query = apply_rotary_ref(query.view(-1, heads, head_dim), positions, cos, sin)
-        key = apply_rotary_ref(key.view(-1, kv_heads, head_dim), positions, cos, sin)
-        value = value.view(-1, kv_heads, head_dim)
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), is_causal=True
-        ).transpose(0, 1)
-        hidden = hidden + attended.reshape(len(tokens), -1) @ layer.output.float().T
-        gate_up = norm(hidden, layer.post_norm) @ layer.gate_up.float().T
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = hidden + (torch.nn.functional.silu(gate) * up) @ layer.down.float().T
-    return norm(hidden, weights.final_norm) @ weights.lm_head.float().T

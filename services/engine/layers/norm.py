@@ -4,8 +4,9 @@
 contract as vLLM's fused kernel, so a CUDA backend can swap in one kernel for both steps.
 The arithmetic follows Hugging Face (variance in float32, cast back before the weight), except
 on CPU, where PyTorch's fused `rms_norm` applies the weight before the cast (bf16 results may
-differ by one rounding step; float32 ones are the same). With native CPU kernels bound
-(`cpu_kernels`, kernels/cpu_native.py) the add and the norm are one pass with those semantics.
+differ by one rounding step; float32 ones are the same). With fused kernels bound (`kernels`:
+the native CPU ones, kernels/cpu/cpu_native.py, or the CUDA fast path's Triton kernel) the add
+and the norm are one pass with those semantics.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.kernels.cpu.cpu_native import CpuKernels
+from services.engine.layers.fused_ops import FusedOps
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +25,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.cpu_kernels: CpuKernels | None = None  # bound by the model runner on CPU
+        self.kernels: FusedOps | None = None  # bound by the model runner
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
@@ -41,7 +42,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (norm(x + residual), x + residual); with no residual, (norm(x), x)."""
-        kernels = self.cpu_kernels
+        kernels = self.kernels
         if kernels is not None and x.dim() == 2 and kernels.supports(x):
             return kernels.rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:

@@ -2,15 +2,21 @@
 
 Input is one flat batch: token ids [T] and absolute positions [T] of every sequence's tokens
 this step, with an AttentionMetadata saying where each sequence starts and where its K/V live.
-Projections are fused for speed and for future kernels: q/k/v in one matmul (weights
-concatenated at load) and gate/up in one. Family differences come from ModelConfig flags
-(q/k/v bias, per-head q/k norm, rope scaling, tied embeddings), never from forked copies.
+Projections are fused for speed and for the kernels: q/k/v in one matmul (weights concatenated
+at load) and gate/up in one. Family differences come from ModelConfig flags (q/k/v bias,
+per-head q/k norm, rope scaling, tied embeddings), never from forked copies.
 `load_weights` maps Hugging Face tensor names onto the fused parameters.
+
+This is the only model definition: the runner of each device binds the kernels it runs on. On
+CPU, the native kernels (`use_cpu_kernels`) and oneDNN-packed projections; on CUDA, the fast
+path (backends/cuda_fast_path.py) binds Triton norms and SwiGLU (`use_fused_ops`), projections
+tuned per row count, an attention backend that fuses rotary with the KV write
+(`fuses_rotary`), and its LM head (`head_projection`), then captures this forward in CUDA graphs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +27,7 @@ from services.engine.backends.base import AttentionBackend
 from services.engine.kernels.cpu.cpu_native import CpuKernels
 from services.engine.layers.activation import SiluAndMul
 from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.layers.fused_ops import FusedOps
 from services.engine.layers.linear import pack_weight, packed_linear
 from services.engine.layers.norm import RMSNorm
 from services.engine.layers.rotary import RotaryEmbedding
@@ -73,6 +80,15 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        backend = self.backend
+        if backend is not None and backend.fuses_rotary and self.q_norm is None:
+            # One kernel rotates q/k and writes the cache (the CUDA fast path).
+            if self.key_cache is None or self.value_cache is None:
+                raise FailedPreconditionError("attention layer has no KV cache bound")
+            out = backend.forward_rotary(
+                query, key, value, positions, self.key_cache, self.value_cache, metadata
+            )
+            return self.o_proj(out.reshape(-1, self.q_size))
         value = value.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None and qkv.device.type == "cpu":
             # Query and key heads lie side by side in qkv: one rotary pass over both (CPU: half
@@ -181,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
         self._packed_head: torch.Tensor | None = None  # set by pack_lm_head (CPU)
         self._native_head: torch.Tensor | None = None  # set by use_cpu_kernels (bf16, CPU)
         self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels (CPU)
+        # hidden rows -> logits, where a backend brings its own LM head (the CUDA fast path).
+        self.head_projection: Callable[[torch.Tensor], torch.Tensor] | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -203,12 +221,18 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] of every token in the flat batch."""
         return self.model(input_ids, positions, metadata)
 
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Run every norm and SwiGLU through `ops` where it applies (None: PyTorch ops)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SiluAndMul)):
+                module.kernels = ops
+
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         """Route the CPU ops that have a native fused kernel through `kernels` (None: PyTorch)."""
         self.cpu_kernels = kernels
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, SiluAndMul, LlamaAttention)):
-                module.cpu_kernels = kernels
+        self.use_fused_ops(kernels)
+        for layer in self.attention_layers:
+            layer.cpu_kernels = kernels
         # bf16 heads: the native LM head, float32 logits never rounded to bf16 (rounded, near-tied
         # logits of small models tie and flip greedy answers), and a fused greedy head that
         # picks their argmax without writing them (2.5x the packed matmul + argmax at hidden 16,
@@ -238,6 +262,8 @@ class LlamaForCausalLM(nn.Module):
         return self._packed_head is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_projection is not None:
+            return self.head_projection(hidden)
         if self._native_head is not None and hidden.dtype == self._native_head.dtype:
             vocab = self.head_weight.shape[0]
             return self.cpu_kernels.lm_head(hidden, self._native_head, vocab)

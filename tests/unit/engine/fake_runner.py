@@ -12,7 +12,9 @@ from types import SimpleNamespace
 
 import torch
 
+from services.common.errors import FailedPreconditionError
 from services.engine.forward_batch import ScheduledBatch
+from services.engine.model_runner import PendingTokens, RunnerCapabilities
 
 
 def history_logits(history: list[int], vocab_size: int) -> torch.Tensor:
@@ -42,6 +44,11 @@ def reference_generate(
 
 
 class FakeModelRunner:
+    """A model_runner.ModelRunner that declares no greedy or overlap capability (the engine
+    samples every step from its logits)."""
+
+    capabilities = RunnerCapabilities()
+
     def __init__(
         self,
         *,
@@ -57,6 +64,7 @@ class FakeModelRunner:
             eos_token_ids=eos_token_ids,
             name="fake",
         )
+        self.model_files = None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device("cpu")
@@ -91,3 +99,9 @@ class FakeModelRunner:
         if not rows:
             return torch.empty(0, self.model_config.vocab_size)
         return torch.stack(rows)
+
+    def execute_greedy(self, batch: ScheduledBatch) -> torch.Tensor:
+        return self.execute(batch).argmax(dim=-1)
+
+    def launch_greedy(self, batch: ScheduledBatch) -> PendingTokens:
+        raise FailedPreconditionError("FakeModelRunner cannot launch without waiting")

@@ -16,6 +16,7 @@ from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.llm_engine import LLMEngine
+from services.engine.model_runner import RunnerCapabilities
 from services.engine.outputs import FinishReason
 from services.engine.sequence import PENDING_TOKEN
 from tests.unit.engine.fake_runner import FakeModelRunner, reference_generate
@@ -28,7 +29,7 @@ class LaunchingFakeRunner(FakeModelRunner):
     """FakeModelRunner plus launch_greedy: a pending token is taken from the ids the previous
     launch sampled for the same sequence, as the CUDA runner does on the device."""
 
-    overlap_max_batch = 64
+    capabilities = RunnerCapabilities(greedy_ids=True, overlap_max_batch=64)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -1,4 +1,4 @@
-"""ModelRunner on the default model (GGUF-converted) and on dummy shapes; input validation."""
+"""CpuModelRunner on the default model (GGUF-converted) and on dummy shapes; input validation."""
 
 from __future__ import annotations
 
@@ -7,25 +7,26 @@ import torch
 
 from services.common.errors import InvalidArgumentError
 from services.common.model_files import resolve_model
+from services.engine.cpu_runner import CpuModelRunner
 from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
-from services.engine.model_runner import ModelRunner, cpu_has_native_bfloat16, default_dtype
+from services.engine.model_runner import cpu_has_native_bfloat16, default_dtype
 from tests.unit.engine.models.helpers import BlockAllocator, step
 
 BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def default_runner() -> ModelRunner:
+def default_runner() -> CpuModelRunner:
     # float32 pinned: compared with transformers in float32.
-    return ModelRunner(
+    return CpuModelRunner(
         resolve_model(None), dtype=torch.float32, block_size=BLOCK_SIZE, kv_cache_bytes=64 << 20
     )
 
 
 @pytest.fixture(scope="module")
-def tiny_runner() -> ModelRunner:
+def tiny_runner() -> CpuModelRunner:
     # float32 pinned: batched and single rows are compared at 1e-5.
-    return ModelRunner(
+    return CpuModelRunner(
         resolve_model("dummy:tiny"),
         dtype=torch.float32,
         block_size=BLOCK_SIZE,
@@ -34,7 +35,7 @@ def tiny_runner() -> ModelRunner:
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers(default_runner: ModelRunner) -> None:
+def test_default_model_matches_transformers(default_runner: CpuModelRunner) -> None:
     from transformers import AutoModelForCausalLM
 
     files = default_runner.model_files
@@ -66,7 +67,7 @@ def test_default_model_matches_transformers(default_runner: ModelRunner) -> None
 
 @pytest.mark.parametrize("shape", ["tiny", "smollm2-135m"])
 def test_dummy_shapes_build_and_give_finite_logits(shape: str) -> None:
-    runner = ModelRunner(resolve_model(f"dummy:{shape}"), kv_cache_bytes=8 << 20, seed=7)
+    runner = CpuModelRunner(resolve_model(f"dummy:{shape}"), kv_cache_bytes=8 << 20, seed=7)
     assert runner.num_blocks > 0
     assert runner.model_config.vocab_size == 49152
     assert runner.model_config.eos_token_ids == (2,)
@@ -79,9 +80,9 @@ def test_dummy_shapes_build_and_give_finite_logits(shape: str) -> None:
 
 def test_dummy_weights_are_seeded() -> None:
     files = resolve_model("dummy:tiny")
-    first = ModelRunner(files, kv_cache_bytes=1 << 20, seed=1)
-    same = ModelRunner(files, kv_cache_bytes=1 << 20, seed=1)
-    other = ModelRunner(files, kv_cache_bytes=1 << 20, seed=2)
+    first = CpuModelRunner(files, kv_cache_bytes=1 << 20, seed=1)
+    same = CpuModelRunner(files, kv_cache_bytes=1 << 20, seed=1)
+    other = CpuModelRunner(files, kv_cache_bytes=1 << 20, seed=2)
     logits = [
         runner.execute(step(BlockAllocator(runner.num_blocks, 16), [(0, [5, 6, 7], 0, True)]))
         for runner in (first, same, other)
@@ -90,7 +91,7 @@ def test_dummy_weights_are_seeded() -> None:
     assert not torch.equal(logits[0], logits[2])
 
 
-def test_only_rows_that_need_logits_are_returned(tiny_runner: ModelRunner) -> None:
+def test_only_rows_that_need_logits_are_returned(tiny_runner: CpuModelRunner) -> None:
     allocator = BlockAllocator(tiny_runner.num_blocks, BLOCK_SIZE)
     batch = step(allocator, [(0, [1, 2, 3], 0, False), (1, [4, 5], 0, True)])
     logits = tiny_runner.execute(batch)
@@ -99,7 +100,7 @@ def test_only_rows_that_need_logits_are_returned(tiny_runner: ModelRunner) -> No
     torch.testing.assert_close(logits[0], alone[0], atol=1e-5, rtol=1e-5)
 
 
-def test_decode_in_a_batch_equals_decode_alone(tiny_runner: ModelRunner) -> None:
+def test_decode_in_a_batch_equals_decode_alone(tiny_runner: CpuModelRunner) -> None:
     allocator = BlockAllocator(tiny_runner.num_blocks, BLOCK_SIZE, seed=5)
     prompts = [[7] * 3, list(range(10, 50)), [9, 8, 7, 6, 5]]
     tiny_runner.execute(step(allocator, [(i, p, 0, True) for i, p in enumerate(prompts)]))
@@ -112,7 +113,7 @@ def test_decode_in_a_batch_equals_decode_alone(tiny_runner: ModelRunner) -> None
     assert not torch.allclose(together[0], together[1])
 
 
-def test_empty_batch_gives_no_rows(tiny_runner: ModelRunner) -> None:
+def test_empty_batch_gives_no_rows(tiny_runner: CpuModelRunner) -> None:
     assert tiny_runner.execute(ScheduledBatch([])).shape == (0, 49152)
 
 
@@ -127,14 +128,14 @@ def test_empty_batch_gives_no_rows(tiny_runner: ModelRunner) -> None:
     ],
 )
 def test_bad_batches_are_refused(
-    tiny_runner: ModelRunner, sequence: ScheduledSequence, message: str
+    tiny_runner: CpuModelRunner, sequence: ScheduledSequence, message: str
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         tiny_runner.execute(ScheduledBatch([sequence]))
 
 
 def test_max_model_len_caps_context() -> None:
-    runner = ModelRunner(resolve_model("dummy:tiny"), kv_cache_bytes=1 << 20, max_model_len=64)
+    runner = CpuModelRunner(resolve_model("dummy:tiny"), kv_cache_bytes=1 << 20, max_model_len=64)
     assert runner.model_config.max_model_len == 64
     assert runner.dtype == default_dtype("cpu") and runner.device.type == "cpu"
 
@@ -152,7 +153,9 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_native_bf16(monkeypatch) 
 
 
 def test_bfloat16_on_cpu_gives_finite_float32_logits() -> None:
-    runner = ModelRunner(resolve_model("dummy:tiny"), dtype=torch.bfloat16, kv_cache_bytes=1 << 20)
+    runner = CpuModelRunner(
+        resolve_model("dummy:tiny"), dtype=torch.bfloat16, kv_cache_bytes=1 << 20
+    )
     assert runner.kv_cache.layers[0][0].dtype == torch.bfloat16
     allocator = BlockAllocator(runner.num_blocks, BLOCK_SIZE)
     runner.execute(step(allocator, [(0, [1, 2, 3, 4, 5], 0, True), (1, [7, 8], 0, True)]))
@@ -162,10 +165,10 @@ def test_bfloat16_on_cpu_gives_finite_float32_logits() -> None:
 
 def test_unknown_backend_is_invalid() -> None:
     with pytest.raises(InvalidArgumentError, match="backend"):
-        ModelRunner(resolve_model("dummy:tiny"), kv_cache_bytes=1 << 20, backend="nope")
+        CpuModelRunner(resolve_model("dummy:tiny"), kv_cache_bytes=1 << 20, backend="nope")
 
 
-def test_execute_greedy_equals_argmax_of_execute(tiny_runner: ModelRunner) -> None:
+def test_execute_greedy_equals_argmax_of_execute(tiny_runner: CpuModelRunner) -> None:
     """The all-greedy fast path picks exactly the argmax of the full logits (ties: lowest id)."""
     allocator = BlockAllocator(tiny_runner.num_blocks, BLOCK_SIZE, seed=5)
     generator = torch.Generator().manual_seed(11)
@@ -192,7 +195,7 @@ def test_execute_greedy_equals_argmax_of_execute(tiny_runner: ModelRunner) -> No
 def test_bf16_greedy_head_equals_argmax_of_execute() -> None:
     """bf16 with the native kernels (where the CPU has AVX-512 BF16): float32 logits from the
     native head, and the fused greedy head picks exactly their argmax."""
-    runner = ModelRunner(
+    runner = CpuModelRunner(
         resolve_model("dummy:tiny"),
         dtype=torch.bfloat16,
         block_size=BLOCK_SIZE,
@@ -225,8 +228,8 @@ def test_native_cpu_kernels_match_pytorch_ops(shape: str, block_size: int) -> No
     prefill chunk) and a chunk over a cached prefix; tiny has head_dim 16 (the kernels' generic
     path), smollm2-135m head_dim 64 (the register-blocked one)."""
 
-    def build(native: bool) -> ModelRunner:
-        return ModelRunner(
+    def build(native: bool) -> CpuModelRunner:
+        return CpuModelRunner(
             resolve_model(f"dummy:{shape}"),
             dtype=torch.float32,
             block_size=block_size,

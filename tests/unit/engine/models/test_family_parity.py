@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine.cpu_runner import CpuModelRunner
 from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
-from services.engine.model_runner import ModelRunner
 from tests.unit.engine.models.helpers import (
     BlockAllocator,
     files_for,
@@ -47,7 +47,7 @@ def test_logits_match_transformers(case: str, tmp_path: Path) -> None:
     family, overrides = FAMILIES[case]
     reference = save_random_model(hf_config(family, **overrides), tmp_path)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1  # really sharded
-    runner = ModelRunner(
+    runner = CpuModelRunner(
         files_for(tmp_path), dtype=torch.float32, block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20
     )
     assert runner.model_config.architecture == reference.config.architectures[0]

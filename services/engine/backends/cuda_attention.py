@@ -1,4 +1,4 @@
-"""The "cuda" attention backend: paged attention through the Triton kernels in kernels/.
+"""The "cuda" attention backend: paged attention through the Triton kernels in kernels/triton/.
 
 Pure-decode steps use the split-K decode kernel (split count fixed by batch size, so CUDA
 graphs stay valid as contexts grow); any step with a prefill chunk uses the varlen causal

@@ -11,7 +11,7 @@ prefix-cache hit share one path.
 On CPU, attention is batched matmuls around a float32 softmax (layers/cpu_attention.py: ~2-2.5x
 faster than PyTorch's CPU flash kernel for decodes and for prefill chunks of 48+ tokens). Long
 chunks, whose float32 scores would be large, and CUDA use scaled_dot_product_attention. With
-native CPU kernels bound (`cpu_kernels`, kernels/cpu_native.py) the KV write is one call and
+native CPU kernels bound (`cpu_kernels`, kernels/cpu/cpu_native.py) the KV write is one call and
 decodes read their keys and values straight from the paged cache, each sequence to its own
 length (no gather, no padding, no masks to build), and all prefill chunks of a step are one
 flash-style causal kernel call over the same cache (no slots, no masks, no per-chunk matmuls).

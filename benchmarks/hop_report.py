@@ -1,16 +1,18 @@
-"""Where a request's time to first token goes, hop by hop, from `SLUICE_HOP_TRACE_DIR` files.
+"""Where a request's time to first token goes, hop by hop, from the spans of a traced run.
 
-services/common/hop_trace.py says what each process records. This joins the files into one row
-per traced request (the stack_bench probe's) and prints, for each hop, the median, mean and
-p90 in milliseconds:
+`stack_bench --hop-trace DIR` runs the stack with tracing on (services/common/tracing/): every
+process writes its OpenTelemetry spans as JSON lines into DIR. This joins them into one row per
+traced request (the stack_bench probe's) and prints, for each hop, the median, mean and p90 in
+milliseconds:
 
     python -m benchmarks.hop_report /tmp/hops            # a table
     python -m benchmarks.hop_report /tmp/hops --json F   # and the figures as JSON
 
-Joins: the router's request id links its own events, the engine's submit and the step that
-carried the first token (within that engine's file, by step index and session); the tokenize and
-detokenize sequence numbers link the tokenizer's; the probe's sends pair with the router's
-arrivals in time order (it sends one request at a time).
+Joins: the probe's CLIENT span is the parent of the router's SERVER span of the same call (send,
+arrival, the router's first response and the probe's first token); the router's request id
+(`sluice.request_id` of that span) names the request in the hop spans of the engine and
+detokenize streams, at both ends, and in the engine's step span; the tokenize batch is the first
+one the router sent after the call arrived, followed by its sequence number.
 """
 
 from __future__ import annotations
@@ -21,19 +23,20 @@ import json
 import statistics
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
-# (from, to, what the time between them is)
+GENERATE = "sluice.v1.Router/Generate"
+FIRST_TOKEN = "first_token"
+STEP_SPAN = "engine step"
+# (from, to, what the time between them is); `prompt_ready` is `tokenize_read`, or `arrive` for a
+# prompt of token ids (no tokenizer).
 HOPS = (
     ("client_send", "arrive", "client -> router: the call reaches the servicer"),
     ("arrive", "tokenize_sent", "router: prompt onto the tokenize stream"),
     ("tokenize_sent", "tokenize_in", "router -> tokenizer"),
     ("tokenize_in", "tokenize_out", "tokenizer: encode"),
     ("tokenize_out", "tokenize_read", "tokenizer -> router"),
-    ("tokenize_read", "tokenized", "router: the request resumes"),
-    ("tokenized", "placed", "router: queue and placement"),
-    ("placed", "engine_sent", "router: submit onto the engine stream"),
+    ("prompt_ready", "engine_sent", "router: resume, queue, place, onto the engine stream"),
     ("engine_sent", "submit", "router -> engine"),
     ("submit", "turn", "engine: waits for the step in flight"),
     ("turn", "step_end", "engine: the step with its prefill"),
@@ -47,144 +50,161 @@ HOPS = (
     ("respond", "client_first", "router -> client"),
 )
 ENGINE_SEGMENT = ("submit", "step_out")  # what the engine alone also pays
+# Hop span name -> the event it marks; keyed by request id, or by sequence number (tokenize).
+EVENTS_BY_REQUEST = {
+    "EngineRequest sent": "engine_sent",
+    "EngineRequest received": "submit",
+    "EngineStep sent": "step_out",
+    "EngineStep received": "step",
+    "DetokenizeRequest sent": "detok_sent",
+    "DetokenizeRequest received": "detok_in",
+    "DetokenizeResponse sent": "detok_out",
+    "DetokenizeResponse received": "detok_read",
+}
+EVENTS_BY_SEQUENCE = {
+    "TokenizeRequest sent": "tokenize_sent",
+    "TokenizeRequest received": "tokenize_in",
+    "TokenizeResponse sent": "tokenize_out",
+    "TokenizeResponse received": "tokenize_read",
+}
 
 
-@dataclass
-class _Process:
-    """One file's events: by (event, first key) -> [(time, other keys)], time-ordered."""
-
-    events: dict[tuple[str, str], list[tuple[float, list[str]]]] = field(
-        default_factory=lambda: defaultdict(list)
-    )
-    # request id -> (time, step index, session) of the engine turn that took it
-    turns: dict[str, tuple[float, str, str]] = field(default_factory=dict)
-
-    def first(
-        self, event: str, key: str, after: float, *rest: str
-    ) -> tuple[float, list[str]] | None:
-        """The earliest `event` for `key` at or after `after` whose next keys start with `rest`."""
-        for item in self.events.get((event, key), ()):
-            if item[0] >= after and tuple(item[1][: len(rest)]) == rest:
-                return item
-        return None
-
-
-def load(directory: Path) -> list[_Process]:
-    processes = []
-    for path in sorted(directory.glob("*.log")):
-        process = _Process()
+def load(directory: Path) -> list[dict]:
+    """Every span of the run (services/common/tracing/jsonl.py says what a line holds)."""
+    spans = []
+    for path in sorted(directory.glob("*.jsonl")):
         for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) < 2:
-                continue
-            event, stamp, keys = parts[0], float(parts[-1]), parts[1:-1]
-            if event == "turn":  # step index, then the request ids it took (session/id)
-                for internal_id in keys[1:]:
-                    session, _, request_id = internal_id.rpartition("/")
-                    process.turns.setdefault(request_id, (stamp, keys[0], session))
-                continue
-            key = keys[0] if keys else ""
-            process.events[(event, key)].append((stamp, keys[1:]))
-        for items in process.events.values():
-            items.sort(key=lambda item: item[0])
-        processes.append(process)
-    return processes
+            if line.strip():
+                spans.append(json.loads(line))
+    return spans
 
 
-def _find(processes: list[_Process], event: str, key: str, after: float):
-    """(process, (time, keys)) of the earliest `event` for `key` at or after `after`."""
-    best = None
-    for process in processes:
-        item = process.first(event, key, after)
-        if item is not None and (best is None or item[0] < best[1][0]):
-            best = (process, item)
-    return best
+class _Index:
+    """Event times (seconds) by (event, key), time-ordered, for 'the first one after t'."""
+
+    def __init__(self) -> None:
+        self._times: dict[tuple[str, object], list[float]] = defaultdict(list)
+
+    def add(self, event: str, key: object, at: float) -> None:
+        self._times[(event, key)].append(at)
+
+    def sort(self) -> None:
+        for times in self._times.values():
+            times.sort()
+
+    def first(self, event: str, key: object, after: float) -> float | None:
+        times = self._times.get((event, key), ())
+        index = bisect.bisect_left(times, after)
+        return times[index] if index < len(times) else None
 
 
-def _turn_of(process: _Process, request_id: str, after: float) -> tuple[float, str, str] | None:
-    found = process.turns.get(request_id)
-    return found if found is not None and found[0] >= after else None
+def _seconds(ns: int) -> float:
+    return ns / 1e9
 
 
-def rows(processes: list[_Process]) -> list[dict[str, float]]:
-    """One row per traced request: event name -> time.monotonic() seconds."""
-    sends = sorted(
-        (stamp, key)
-        for p in processes
-        for (event, key), items in p.events.items()
-        if event == "client_send"
-        for stamp, _ in items
-    )
-    firsts = {
-        key: [t for t, _ in items]
-        for p in processes
-        for (event, key), items in p.events.items()
-        if event == "client_first"
-    }
-    send_times = [stamp for stamp, _ in sends]
+def _first_token(span: dict) -> float | None:
+    for event in span["events"]:
+        if event["name"] == FIRST_TOKEN:
+            return _seconds(event["time_ns"])
+    return None
+
+
+def rows(spans: list[dict]) -> list[dict[str, float]]:
+    """One row per traced request: event name -> wall-clock seconds."""
+    index = _Index()
+    tokenize_sends: dict[object, list[tuple[float, int]]] = defaultdict(list)  # by router pid
+    turns: dict[str, list[tuple[float, float]]] = defaultdict(list)  # request id -> step spans
+    clients: dict[tuple[str, str], dict] = {}
+    servers: list[dict] = []
+    for span in spans:
+        name, attributes = span["name"], span["attributes"]
+        at = _seconds(span["start_ns"])
+        if name == GENERATE:
+            if span["kind"] == "CLIENT":
+                clients[(span["trace_id"], span["span_id"])] = span
+            elif span["kind"] == "SERVER":
+                servers.append(span)
+        elif name in EVENTS_BY_REQUEST:
+            for request_id in attributes.get("sluice.request_ids", ()):
+                index.add(EVENTS_BY_REQUEST[name], request_id, at)
+        elif name in EVENTS_BY_SEQUENCE:
+            sequence = attributes.get("sluice.sequence_number")
+            index.add(EVENTS_BY_SEQUENCE[name], sequence, at)
+            if name == "TokenizeRequest sent":
+                tokenize_sends[span["pid"]].append((at, sequence))
+        elif name == STEP_SPAN:
+            for internal_id in attributes.get("sluice.request_ids", ()):
+                request_id = internal_id.rpartition("/")[2]  # the engine's <session>/<id>
+                turns[request_id].append((at, _seconds(span["end_ns"])))
+    index.sort()
+    for sends in tokenize_sends.values():
+        sends.sort()
+    for steps in turns.values():
+        steps.sort()
     result = []
-    for process in processes:
-        for (event, request_id), items in process.events.items():
-            if event != "arrive":
-                continue
-            row = _row(processes, request_id, items[0][0])
-            if row is None:
-                continue
-            index = bisect.bisect_right(send_times, row["arrive"]) - 1
-            if index >= 0:
-                stamp, probe_index = sends[index]
-                after = [t for t in firsts.get(probe_index, ()) if t >= row["respond"]]
-                if after and row["arrive"] - stamp < 1.0:
-                    row["client_send"] = stamp
-                    row["client_first"] = after[0]
-            result.append(row)
+    for server in servers:
+        row = _row(server, index, tokenize_sends.get(server["pid"], []), turns)
+        if row is None:
+            continue
+        client = clients.get((server["trace_id"], server["parent_span_id"]))
+        if client is not None:
+            row["client_send"] = _seconds(client["start_ns"])
+            first = _first_token(client)
+            if first is not None:
+                row["client_first"] = first
+        result.append(row)
     return sorted(result, key=lambda row: row["arrive"])
 
 
-def _row(processes: list[_Process], request_id: str, arrive: float) -> dict[str, float] | None:
-    row = {"arrive": arrive}
+def _row(
+    server: dict,
+    index: _Index,
+    tokenize_sends: list[tuple[float, int]],
+    turns: dict[str, list[tuple[float, float]]],
+) -> dict[str, float] | None:
+    request_id = server["attributes"].get("sluice.request_id")
+    respond = _first_token(server)
+    if not request_id or respond is None:
+        return None
+    arrive = _seconds(server["start_ns"])
+    row = {"arrive": arrive, "respond": respond}
 
-    def take(event: str, key: str, after: float, name: str | None = None):
-        found = _find(processes, event, key, after)
+    def take(event: str, key: object, after: float) -> float | None:
+        found = index.first(event, key, after)
         if found is not None:
-            row[name or event] = found[1][0]
+            row[event] = found
         return found
 
-    sent = take("tokenize_sent", request_id, arrive)
-    if sent is not None:  # a prompt of token ids skips the tokenizer
-        sequence = sent[1][1][0]
-        inbound = take("tokenize_in", sequence, sent[1][0])
-        if inbound is not None:
-            take("tokenize_out", sequence, inbound[1][0])
-        take("tokenize_read", request_id, sent[1][0])
-        take("tokenized", request_id, sent[1][0])
-    if take("placed", request_id, arrive) is None:
+    if server["attributes"].get("sluice.input") == "prompt_token_ids":
+        row["prompt_ready"] = arrive
+    else:
+        position = bisect.bisect_left(tokenize_sends, (arrive, -1))
+        if position < len(tokenize_sends):
+            sent, sequence = tokenize_sends[position]
+            row["tokenize_sent"] = sent
+            inbound = take("tokenize_in", sequence, sent)
+            if inbound is not None:
+                take("tokenize_out", sequence, inbound)
+            if take("tokenize_read", sequence, sent) is not None:
+                row["prompt_ready"] = row["tokenize_read"]
+    if take("engine_sent", request_id, arrive) is None:
         return None
-    take("engine_sent", request_id, arrive)
     submit = take("submit", request_id, arrive)
     if submit is not None:
-        engine, (submitted, _) = submit
-        turn = _turn_of(engine, request_id, submitted)
-        if turn is not None:
-            row["turn"], step_index, session = turn
-            end = engine.first("step_end", step_index, turn[0])
-            if end is not None:
-                row["step_end"] = end[0]
-                # Each session (router) gets its own message of the step.
-                out = engine.first("step_out", step_index, end[0], session)
-                if out is not None:
-                    row["step_out"] = out[0]
-    step = take("step", request_id, arrive)
+        for started, ended in turns.get(request_id, ()):
+            if started >= submit:
+                row["turn"], row["step_end"] = started, ended
+                break
+    take("step_out", request_id, arrive)
+    if take("step", request_id, arrive) is None:
+        return None
     detok = take("detok_sent", request_id, arrive)
-    if step is None or detok is None:
+    if detok is None:
         return None
-    sequence = detok[1][1][0]
-    inbound = take("detok_in", sequence, detok[1][0])
+    inbound = take("detok_in", request_id, detok)
     if inbound is not None:
-        take("detok_out", sequence, inbound[1][0])
-    take("detok_read", request_id, detok[1][0])
-    if take("respond", request_id, detok[1][0]) is None:
-        return None
+        take("detok_out", request_id, inbound)
+    take("detok_read", request_id, detok)
     return row
 
 
@@ -251,9 +271,9 @@ def report(directory: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.hop_report",
-        description="Per-hop times to first token from SLUICE_HOP_TRACE_DIR files.",
+        description="Per-hop times to first token from the spans of a traced run.",
     )
-    parser.add_argument("directory", type=Path, help="the SLUICE_HOP_TRACE_DIR of the run")
+    parser.add_argument("directory", type=Path, help="the run's trace directory (SLUICE_TRACE_DIR)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     if not args.directory.is_dir():

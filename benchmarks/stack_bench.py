@@ -545,8 +545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--hop-trace",
         type=Path,
         metavar="DIR",
-        help="trace each router probe's first token hop by hop (services/common/hop_trace.py) "
-        "into this new or empty directory, and report where its time went",
+        help="trace each router probe's first token hop by hop (OpenTelemetry spans, "
+        "services/common/tracing/) into this new or empty directory, and report where its "
+        "time went (needs the tracing extra)",
     )
     parser.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
@@ -556,8 +557,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.hop_trace.exists() and any(args.hop_trace.iterdir()):
             parser.error(f"--hop-trace: {args.hop_trace} is not empty")
         args.hop_trace.mkdir(parents=True, exist_ok=True)
-        # Read at import by every process the bench starts: the stack and the probes.
-        os.environ["SLUICE_HOP_TRACE_DIR"] = str(args.hop_trace.resolve())
+        # Read at start by every process the bench starts: the stack and the probes. The
+        # stack traces only the calls that come traced (the probes'), not the load's; the hop
+        # spans of the sessions record every request's first token.
+        os.environ["SLUICE_TRACE_DIR"] = str(args.hop_trace.resolve())
+        os.environ["SLUICE_TRACE_SAMPLE_RATIO"] = "0"
     if args.client_cpus and args.router:
         parser.error("--client-cpus needs a stack this bench starts (no --router)")
     if args.router and not (args.engine and args.tokenizer):

@@ -14,6 +14,7 @@ absolute start and end times (wall clock) inside the counting window and reads i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -22,7 +23,7 @@ import grpc
 
 from benchmarks.stack_bench_clients import PROMPTS, params
 from protos.sluice.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
-from services.common import hop_trace
+from services.common import tracing
 
 USAGE = "python -m benchmarks.stack_bench_probe router|engine ADDRESS START END [IDS_JSON]"
 PAUSE_S = 0.02  # between probes: a light extra load, about one request per step or two
@@ -30,10 +31,10 @@ PAUSE_S = 0.02  # between probes: a light extra load, about one request per step
 
 async def probe_router(address: str, start_at: float, end_at: float) -> list[float]:
     ttfts: list[float] = []
-    # With SLUICE_HOP_TRACE_DIR set, each probe asks the router to trace its hops, and marks
-    # its own send and first token (benchmarks/hop_report.py joins them).
-    metadata = ((hop_trace.METADATA_KEY, "1"),) if hop_trace.ENABLED else None
-    async with grpc.aio.insecure_channel(address) as channel:
+    # With tracing switched on (stack_bench --hop-trace), each probe is a traced call: its CLIENT
+    # span (send, first token) carries its trace context to the router, which then traces the
+    # request (benchmarks/hop_report.py joins the spans).
+    async with tracing.traced_channel(grpc.aio.insecure_channel(address)) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         index = 0
@@ -42,14 +43,10 @@ async def probe_router(address: str, start_at: float, end_at: float) -> list[flo
                 prompt=PROMPTS[index % len(PROMPTS)], params=params(1)
             )
             index += 1
-            if metadata:
-                hop_trace.mark("client_send", index)
             began = time.perf_counter()
-            async for response in stub.Generate(request, metadata=metadata):
+            async for response in stub.Generate(request):
                 if response.token_ids:
                     ttfts.append(time.perf_counter() - began)
-                    if metadata:
-                        hop_trace.mark("client_first", index)
             await asyncio.sleep(PAUSE_S)
     return ttfts
 
@@ -93,7 +90,11 @@ def main(argv: list[str]) -> int:
         return 2
     target, address, start_at, end_at = argv[0], argv[1], float(argv[2]), float(argv[3])
     if target == "router":
+        # Every probe is traced, whatever share of the load's calls the stack traces.
+        config = tracing.TracingConfig.from_environment()
+        tracing.configure(dataclasses.replace(config, trace_sample_ratio=1.0), "sluice-probe")
         ttfts = asyncio.run(probe_router(address, start_at, end_at))
+        tracing.shutdown()
     else:
         ttfts = asyncio.run(probe_engine(address, start_at, end_at, json.loads(argv[4])))
     print(json.dumps(ttfts))

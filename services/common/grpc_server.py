@@ -5,7 +5,8 @@
 - server reflection for the listed services,
 - an interceptor that turns `SluiceError` into its status code (plus a `retry-after` trailer when
   the error carries one) and any other exception into INTERNAL with a generic message, so a
-  user's mistake is never UNKNOWN and a bug never leaks a traceback to the caller.
+  user's mistake is never UNKNOWN and a bug never leaks a traceback to the caller,
+- and, when tracing is switched on (services/common/tracing/), its interceptor.
 Servicers stay thin: they convert protobuf to domain objects, call the domain and raise
 SluiceError subclasses.
 """
@@ -24,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from services.common import tracing
 from services.common.errors import SluiceError
 
 log = logging.getLogger(__name__)
@@ -174,7 +176,8 @@ async def start_server(
     "sluice.v1.Router") for health and reflection. The server starts NOT_SERVING.
     """
     server = grpc.aio.server(
-        interceptors=[*interceptors, ErrorMappingInterceptor()], options=list(options)
+        interceptors=[*interceptors, *tracing.server_interceptors(), ErrorMappingInterceptor()],
+        options=list(options),
     )
     register(server)
     health = HealthServicer()

@@ -13,6 +13,9 @@ callback, called on this thread (the server forwards it with `loop.call_soon_thr
   step is CPU work that shares the cores with every gRPC thread on the machine (this engine's
   stream, the router, the tokenizer); as an idle thread it takes only what they leave, and a
   thread that wakes for a message preempts it at once instead of waiting out its time slice.
+- `step_hook`, when given (tracing, services/common/tracing/step_hook.py), is called after each
+  turn that ran a step, with the turn's start and end (`time.time_ns()`), the step's index, the
+  requests the turn took in and the tokens computed; without one a turn pays nothing for it.
 - An exception inside `step()` fails the requests that were live (ERROR with the message), aborts
   them in the engine so their blocks are freed, and the loop keeps serving.
 """
@@ -23,17 +26,29 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.common import hop_trace
 from services.common.errors import SluiceError
 from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import FORWARD_THREAD_POLICIES
 from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta, StepOutput
 
 log = logging.getLogger(__name__)
+
+
+class StepHook(Protocol):
+    """Told about each forward step (see the module docstring)."""
+
+    def __call__(
+        self,
+        started_ns: int,
+        ended_ns: int,
+        step_index: int,
+        request_ids: Sequence[str],
+        num_batched_tokens: int,
+    ) -> None: ...
 
 
 class SteppableEngine(Protocol):
@@ -135,6 +150,7 @@ class EngineLoop:
         load_report_interval_s: float = 1.0,
         name: str = "engine-loop",
         thread_policy: str = "normal",
+        step_hook: StepHook | None = None,
     ) -> None:
         if thread_policy not in FORWARD_THREAD_POLICIES:
             raise ValueError(
@@ -143,6 +159,7 @@ class EngineLoop:
         self._engine = engine
         self._thread_policy = thread_policy
         self._on_output = on_output
+        self._step_hook = step_hook
         self._load_report_interval_s = load_report_interval_s
         self._condition = threading.Condition()
         self._inbox = _Inbox()
@@ -213,9 +230,7 @@ class EngineLoop:
             return False
 
     def _turn(self, inbox: _Inbox) -> LoopOutput | None:
-        if hop_trace.ENABLED:
-            submitted = [c.request_id for c in inbox.commands if isinstance(c, Submit)]
-            hop_trace.mark("turn", self._step_index + 1, *submitted)
+        turn_started_ns = time.time_ns() if self._step_hook is not None else 0
         rejections = self._apply(inbox)
         deltas: list[SequenceDelta] = []
         step_time_s = 0.0
@@ -237,13 +252,22 @@ class EngineLoop:
                 load = step.load
                 deltas = self._track(step.deltas)
             self._step_index += 1
-            if hop_trace.ENABLED:
-                hop_trace.mark("step_end", self._step_index)
+            if self._step_hook is not None:
+                self._report_step(inbox, turn_started_ns, num_batched_tokens)
         if load is None:
             load = self._safe_load()
         return LoopOutput(
             deltas, rejections, load, self._step_index, step_time_s, num_batched_tokens
         )
+
+    def _report_step(self, inbox: _Inbox, started_ns: int, num_batched_tokens: int) -> None:
+        submitted = [c.request_id for c in inbox.commands if isinstance(c, Submit)]
+        try:
+            self._step_hook(
+                started_ns, time.time_ns(), self._step_index, submitted, num_batched_tokens
+            )
+        except Exception:  # noqa: BLE001 - diagnostics must never stop the engine
+            log.exception("engine step hook failed")
 
     def _apply(self, inbox: _Inbox) -> list[Rejection]:
         rejections: list[Rejection] = []

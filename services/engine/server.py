@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
-from services.common import event_loop, hop_trace, metrics
+from services.common import event_loop, metrics, tracing
 from services.common.config import describe
 from services.common.errors import SluiceError, UnavailableError
 from services.common.grpc_server import start_server
@@ -95,6 +95,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self._from_engine_thread,
             load_report_interval_s=self._load_report_interval_s,
             thread_policy=config.forward_thread_policy if config else "normal",
+            step_hook=tracing.step_hook(),
         )
         self._load = engine_loop.initial_load
         self._loop_thread = engine_loop
@@ -158,8 +159,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if session.input_error:  # the router sees it and opens a new session
                         raise UnavailableError(session.input_error)
                     return
-                if hop_trace.ENABLED:
-                    hop_trace.mark("step_out", message.step_index, session.key)
                 yield message
         finally:
             reader.cancel()
@@ -207,8 +206,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 refused.append(_refusal(request_id, exc.code, exc.message))
                 continue
             session.live.add(request_id)
-            if hop_trace.ENABLED:
-                hop_trace.mark("submit", request_id)
             submits.append(
                 Submit(
                     session.internal_id(request_id),
@@ -309,6 +306,7 @@ async def serve(config: WorkerConfig, *, stop_event: asyncio.Event | None = None
     # otherwise wait out Python's default 5 ms interval.
     sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)
     metrics.start_metrics_server(config.network.metrics_port)
+    tracing.configure(tracing.TracingConfig.from_environment(), "sluice-engine")
     servicer = EngineServicer(load_report_interval_s=config.network.load_report_interval_s)
     running = await start_server(
         config.network.address,

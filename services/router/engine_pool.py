@@ -19,9 +19,8 @@ from collections.abc import Callable
 import grpc
 
 from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
-from services.common import hop_trace
 from services.common.errors import UnavailableError
-from services.common.grpc_channel import CHANNEL_OPTIONS
+from services.common.grpc_channel import open_channel
 from services.router.discovery import EngineDiscovery
 from services.router.dispatch import EngineCapacity
 
@@ -54,11 +53,10 @@ class EngineConnection:
         self._on_ready = on_ready
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._submits: list[engine_pb2.SubmitRequest] = []
         self._aborts: list[str] = []
-        self._traced: list[str] = []  # ids of traced submits waiting in _submits
         self._outbox_ready = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -78,12 +76,10 @@ class EngineConnection:
                 await self._task
         await self._channel.close()
 
-    def submit(self, submit: engine_pb2.SubmitRequest, *, traced: bool = False) -> None:
+    def submit(self, submit: engine_pb2.SubmitRequest) -> None:
         if not self.capacity.ready:
             raise UnavailableError(f"engine {self.address} is not connected")
         self._submits.append(submit)
-        if traced:
-            self._traced.append(submit.request_id)
         self._outbox_ready.set()
 
     def abort(self, request_id: str) -> None:
@@ -115,7 +111,6 @@ class EngineConnection:
             if self.capacity.ready:
                 self.capacity.ready = False
                 self._submits.clear()
-                self._traced.clear()
                 self._aborts.clear()
                 self._on_lost(self.engine_id)
                 self._on_ready()
@@ -134,7 +129,6 @@ class EngineConnection:
         capacity.inflight = 0
         capacity.resident_adapters = tuple(info.load.resident_adapters)
         self._submits.clear()
-        self._traced.clear()
         self._aborts.clear()
         capacity.ready = True
         log.info(
@@ -156,10 +150,6 @@ class EngineConnection:
             message = engine_pb2.EngineRequest(submits=self._submits, aborts=self._aborts)
             self._submits = []
             self._aborts = []
-            if self._traced:
-                for request_id in self._traced:
-                    hop_trace.mark("engine_sent", request_id)
-                self._traced = []
             await call.write(message)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:

@@ -79,7 +79,6 @@ class RouterRequest:
     tokenized_at: float = 0.0
     placed_at: float = 0.0
     first_step_at: float = 0.0
-    traced: bool = False  # its first token's hops are recorded (services/common/hop_trace.py)
     state: RequestState = RequestState.QUEUED
     engine_id: str | None = None
     completion_tokens: int = 0

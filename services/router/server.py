@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from protos.sluice.v1 import router_pb2, router_pb2_grpc
-from services.common import event_loop, hop_trace
+from services.common import event_loop, tracing
 from services.common.config import describe
 from services.common.errors import DeadlineExceededError, SluiceError
 from services.common.grpc_server import RunningServer, start_server
@@ -121,8 +121,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     now = time.monotonic()
                     if last_token_at is None:
                         metrics.ROUTER_TIME_TO_FIRST_TOKEN.observe(now - routed.arrival)
-                        if routed.traced:
-                            hop_trace.mark("respond", routed.request_id)
                     else:
                         metrics.ROUTER_INTER_TOKEN_LATENCY.observe(
                             (now - last_token_at) / len(piece.token_ids)
@@ -234,6 +232,7 @@ async def serve(settings: RouterSettings, *, stop: asyncio.Event | None = None) 
     config = settings.router
     sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)
     start_metrics_server(config.metrics_port)
+    tracing.configure(tracing.TracingConfig.from_environment(), "sluice-router")
     shared = await SharedState.open(settings)
     core, server = await start(config, shared=shared)
     loop = asyncio.get_running_loop()

@@ -22,7 +22,6 @@ from collections.abc import Callable
 import grpc
 
 from protos.sluice.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.common import hop_trace
 from services.common.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -32,7 +31,7 @@ from services.common.errors import (
     SluiceError,
     UnavailableError,
 )
-from services.common.grpc_channel import CHANNEL_OPTIONS
+from services.common.grpc_channel import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ class TokenizerClient:
         self._tokenize_timeout_s = tokenize_timeout_s
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._detokenize_outbox = _Outbox()
         self._task: asyncio.Task | None = None
@@ -116,7 +115,6 @@ class TokenizerClient:
         self._tokenize_outbox: _Outbox | None = None
         self._tokenize_waiting: dict[int, list[tuple]] = {}
         self._tokenize_sequence = 0
-        self._traced: dict[asyncio.Future, str] = {}  # prompt future -> its traced request id
         self.ready = False
         self.ready_changed: Callable[[], None] | None = None
         self.info: tokenizer_pb2.TokenizerInfo | None = None
@@ -142,14 +140,12 @@ class TokenizerClient:
         self,
         item: tokenizer_pb2.TokenizeItem,
         timeout_s: float | None = None,
-        *,
-        trace_id: str | None = None,
     ) -> list[int]:
         """Encode one prompt; errors come back as SluiceError (the tokenizer's own code).
 
         Prompts arriving in the same event-loop turn share one batch (a burst of requests
         costs one round trip, not one each), sent on the TokenizeSession stream while it is
-        open, else as a Tokenize call. `trace_id`: the request whose hops are traced.
+        open, else as a Tokenize call.
         """
         timeout = self._tokenize_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
@@ -157,8 +153,6 @@ class TokenizerClient:
         # The future is this prompt's own, awaited directly: the answer resumes the caller in
         # the next loop turn (wait_for + shield would take three), and a timer fails it.
         timer = loop.call_later(max(timeout, 0.001), _expire, future)
-        if trace_id is not None:
-            self._traced[future] = trace_id
         self._tokenize_pending.append((item, future))
         if len(self._tokenize_pending) == 1:
             if self._tokenize_outbox is not None:
@@ -169,8 +163,6 @@ class TokenizerClient:
             result = await future
         finally:
             timer.cancel()
-            if trace_id is not None:
-                self._traced.pop(future, None)
         if result.HasField("error") and result.error.code:
             raise error_from_item(result.error.code, result.error.message)
         return list(result.token_ids)
@@ -184,8 +176,6 @@ class TokenizerClient:
         if self._tokenize_outbox is not None:
             self._tokenize_sequence += 1
             self._tokenize_waiting[self._tokenize_sequence] = batch
-            if self._traced:
-                self._mark_traced(batch, "tokenize_sent", self._tokenize_sequence)
             self._tokenize_outbox.put(
                 tokenizer_pb2.TokenizeRequest(
                     items=[item for item, _ in batch], sequence_number=self._tokenize_sequence
@@ -218,8 +208,6 @@ class TokenizerClient:
         batch = self._tokenize_waiting.pop(response.sequence_number, None)
         if batch is None:
             return
-        if self._traced:
-            self._mark_traced(batch, "tokenize_read", response.sequence_number)
         if response.HasField("error") and response.error.code:
             if response.error.code == "INVALID_ARGUMENT" and len(batch) > 1:
                 self._resend_one_by_one(batch)
@@ -227,12 +215,6 @@ class TokenizerClient:
                 _fail_all(batch, error_from_item(response.error.code, response.error.message))
             return
         _settle(batch, response)
-
-    def _mark_traced(self, batch: list[tuple], event: str, sequence_number: int) -> None:
-        for _, future in batch:
-            request_id = self._traced.get(future)
-            if request_id is not None:
-                hop_trace.mark(event, request_id, sequence_number)
 
     def next_sequence_number(self) -> int:
         self._sequence_number += 1

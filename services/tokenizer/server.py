@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.sluice.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from services.common import event_loop, hop_trace
+from services.common import event_loop, tracing
 from services.common.config import describe
 from services.common.errors import InvalidArgumentError, SluiceError
 from services.common.grpc_server import RunningServer, start_server
@@ -177,8 +177,6 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
         async def answer(response: tokenizer_pb2.TokenizeResponse) -> None:
             async with writing:
-                if hop_trace.ENABLED:
-                    hop_trace.mark("tokenize_out", response.sequence_number)
                 await context.write(response)
 
         async def encode(sequence_number: int, items: list[EncodeItem]) -> None:
@@ -191,8 +189,6 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         try:
             async for request in request_iterator:
                 number = request.sequence_number
-                if hop_trace.ENABLED:
-                    hop_trace.mark("tokenize_in", number)
                 refused = self._refusal(request)
                 if refused is not None:
                     error = common_pb2.ItemError(code="INVALID_ARGUMENT", message=refused)
@@ -252,11 +248,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         session = DetokenizeSession(self._model.decode, self._model.vocab_size, self._limits)
         try:
             async for request in request_iterator:
-                if hop_trace.ENABLED:
-                    hop_trace.mark("detok_in", request.sequence_number)
                 deltas = session.handle(update_from_pb(u) for u in request.updates)
-                if hop_trace.ENABLED:
-                    hop_trace.mark("detok_out", request.sequence_number)
                 yield tokenizer_pb2.DetokenizeResponse(
                     deltas=[delta_to_pb(d) for d in deltas],
                     sequence_number=request.sequence_number,
@@ -312,6 +304,7 @@ async def serve(config: TokenizerConfig, stop: asyncio.Event | None = None) -> N
     """Run the service until SIGTERM/SIGINT (or `stop` is set), then drain open calls."""
     stop = stop or asyncio.Event()
     sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)  # encoding threads hand off too
+    tracing.configure(tracing.TracingConfig.from_environment(), "sluice-tokenizer")
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread

@@ -36,8 +36,9 @@ def test_cpu_lists_read_as_taskset_writes_them() -> None:
 
 def test_stack_bench_report_on_the_synthetic_engine(tmp_path, capsys, monkeypatch) -> None:
     report_path = tmp_path / "report.json"
-    # --hop-trace sets this for the processes the bench starts; the test's own env is restored.
-    monkeypatch.setenv("SLUICE_HOP_TRACE_DIR", "")
+    # --hop-trace sets these for the processes the bench starts; the test's own env is restored.
+    monkeypatch.setenv("SLUICE_TRACE_DIR", "")
+    monkeypatch.setenv("SLUICE_TRACE_SAMPLE_RATIO", "")
     allowed = os.sched_getaffinity(0)
     nice_before = os.nice(0)
     cpus = sorted(allowed)[:2]

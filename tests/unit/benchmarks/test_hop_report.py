@@ -1,4 +1,4 @@
-"""benchmarks.hop_report joins the per-process hop files into one row per traced request."""
+"""benchmarks.hop_report joins the spans of a traced run into one row per traced request."""
 
 from __future__ import annotations
 
@@ -8,64 +8,130 @@ import pytest
 
 from benchmarks import hop_report
 
-# Two probes (send at 10.000 and 20.000 s), each through router, tokenizer and engine 1. Engine
-# 2 also ran a step with the index of probe 0's step, and ended it first: it must not be joined.
-# Nor must engine 1's message of that step to another session (router), s2, sent first.
-PROBE = """client_send 0 10.000000
-client_first 0 10.020000
-client_send 1 20.000000
-client_first 1 20.030000
-"""
-ROUTER = """arrive r1 10.001000
-tokenize_sent r1 4 10.002000
-tokenize_read r1 4 10.004000
-tokenized r1 10.0045
-placed r1 10.005000
-engine_sent r1 10.0055
-step r1 7 10.013000
-detok_sent r1 9 10.0135
-detok_read r1 10.016000
-respond r1 10.017000
-arrive r2 20.002000
-placed r2 20.003000
-engine_sent r2 20.0035
-step r2 12 20.020000
-detok_sent r2 10 20.0205
-detok_read r2 20.025000
-respond r2 20.026000
-"""
-TOKENIZER = """tokenize_in 4 10.0025
-tokenize_out 4 10.003000
-detok_in 9 10.014000
-detok_out 9 10.015000
-detok_in 10 20.021000
-detok_out 10 20.022000
-"""
-ENGINE_1 = """submit r1 10.006000
-turn 7 s1/r0 s1/r1 10.008000
-step_end 7 10.012000
-step_out 7 s2 10.0121
-step_out 7 s1 10.0125
-submit r2 20.004000
-turn 12 s1/r2 20.006000
-step_end 12 20.018000
-step_out 12 s1 20.019000
-"""
-ENGINE_2 = """step_end 7 10.0115
-step_out 7 s1 10.0118
-"""
+ROUTER, TOKENIZER, ENGINE, PROBE = 200, 300, 400, 100
+
+
+def span(name, pid, start_s, end_s=None, kind="INTERNAL", trace="t0", span_id="s0", parent=None,
+         events=(), **attributes):  # fmt: skip
+    """One JSON line as services/common/tracing/jsonl.py writes it (times in seconds here)."""
+    return {
+        "name": name,
+        "kind": kind,
+        "trace_id": trace,
+        "span_id": span_id,
+        "parent_span_id": parent,
+        "start_ns": round(start_s * 1e9),
+        "end_ns": round((start_s if end_s is None else end_s) * 1e9),
+        "service": {ROUTER: "sluice-router"}.get(pid, "other"),
+        "pid": pid,
+        "attributes": attributes,
+        "events": [{"name": n, "time_ns": round(t * 1e9), "attributes": {}} for n, t in events],
+    }
+
+
+def hop(name, pid, at, ids=None, sequence=None, step=None):
+    attributes = {"rpc.method": "/sluice.v1.X/Y"}
+    if ids is not None:
+        attributes["sluice.request_ids"] = ids
+    if sequence is not None:
+        attributes["sluice.sequence_number"] = sequence
+    if step is not None:
+        attributes["sluice.step_index"] = step
+    return span(name, pid, at, **attributes)
+
+
+GENERATE = "sluice.v1.Router/Generate"
+# Two probes: r1 (a text prompt, through the tokenizer) at 10 s and r2 (token ids) at 20 s; r9
+# is a load request (not traced) whose hops are recorded too and must not be joined to r1.
+SPANS = [
+    span(
+        GENERATE,
+        PROBE,
+        10.000,
+        10.020,
+        kind="CLIENT",
+        trace="t1",
+        span_id="c1",
+        events=[("first_token", 10.020)],
+    ),
+    span(
+        GENERATE,
+        ROUTER,
+        10.001,
+        10.018,
+        kind="SERVER",
+        trace="t1",
+        span_id="v1",
+        parent="c1",
+        events=[("first_token", 10.017)],
+        **{"sluice.request_id": "r1", "sluice.input": "prompt"},
+    ),
+    hop("TokenizeRequest sent", ROUTER, 9.990, sequence=3),  # before r1 arrived: not its batch
+    hop("TokenizeRequest sent", ROUTER, 10.002, sequence=4),
+    hop("TokenizeRequest received", TOKENIZER, 10.0025, sequence=4),
+    hop("TokenizeResponse sent", TOKENIZER, 10.003, sequence=4),
+    hop("TokenizeResponse received", ROUTER, 10.004, sequence=4),
+    hop("EngineRequest sent", ROUTER, 10.0055, ids=["r9", "r1"]),
+    hop("EngineRequest received", ENGINE, 10.006, ids=["r9", "r1"]),
+    span("engine step", ENGINE, 10.005, 10.0075, **{"sluice.request_ids": ["s1/r8"]}),
+    span(
+        "engine step",
+        ENGINE,
+        10.008,
+        10.012,
+        **{"sluice.request_ids": ["s1/r9", "s1/r1"], "sluice.step_index": 7},
+    ),
+    hop("EngineStep sent", ENGINE, 10.0125, ids=["r9", "r1"], step=7),
+    hop("EngineStep received", ROUTER, 10.013, ids=["r9", "r1"], step=7),
+    hop("DetokenizeRequest sent", ROUTER, 10.0135, ids=["r9", "r1"], sequence=9),
+    hop("DetokenizeRequest received", TOKENIZER, 10.014, ids=["r9", "r1"], sequence=9),
+    hop("DetokenizeResponse sent", TOKENIZER, 10.015, ids=["r9", "r1"], sequence=9),
+    hop("DetokenizeResponse received", ROUTER, 10.016, ids=["r9", "r1"], sequence=9),
+    span(
+        GENERATE,
+        PROBE,
+        20.000,
+        20.030,
+        kind="CLIENT",
+        trace="t2",
+        span_id="c2",
+        events=[("first_token", 20.030)],
+    ),
+    span(
+        GENERATE,
+        ROUTER,
+        20.002,
+        20.027,
+        kind="SERVER",
+        trace="t2",
+        span_id="v2",
+        parent="c2",
+        events=[("first_token", 20.026)],
+        **{"sluice.request_id": "r2", "sluice.input": "prompt_token_ids"},
+    ),
+    hop("TokenizeRequest sent", ROUTER, 20.0025, sequence=5),  # another request's prompt
+    hop("EngineRequest sent", ROUTER, 20.0035, ids=["r2"]),
+    hop("EngineRequest received", ENGINE, 20.004, ids=["r2"]),
+    span("engine step", ENGINE, 20.006, 20.018, **{"sluice.request_ids": ["s1/r2"]}),
+    hop("EngineStep sent", ENGINE, 20.019, ids=["r2"], step=12),
+    hop("EngineStep received", ROUTER, 20.020, ids=["r2"], step=12),
+    hop("DetokenizeRequest sent", ROUTER, 20.0205, ids=["r2"], sequence=10),
+    hop("DetokenizeRequest received", TOKENIZER, 20.021, ids=["r2"], sequence=10),
+    hop("DetokenizeResponse sent", TOKENIZER, 20.022, ids=["r2"], sequence=10),
+    hop("DetokenizeResponse received", ROUTER, 20.025, ids=["r2"], sequence=10),
+    # A traced call that failed before its first token: no row.
+    span(GENERATE, ROUTER, 30.0, 30.001, kind="SERVER", trace="t3", span_id="v3"),
+]
 
 
 @pytest.fixture
 def trace_dir(tmp_path):
-    for name, text in (
-        ("100", PROBE),
-        ("200", ROUTER),
-        ("300", TOKENIZER),
-        ("400", ENGINE_1),
-        ("500", ENGINE_2),
-    ):
-        (tmp_path / f"{name}.log").write_text(text)
+    by_pid: dict[int, list[dict]] = {}
+    for item in SPANS:
+        by_pid.setdefault(item["pid"], []).append(item)
+    for pid, items in by_pid.items():
+        lines = "".join(json.dumps(item) + "\n" for item in items)
+        (tmp_path / f"{items[0]['service']}-{pid}.jsonl").write_text(lines)
     return tmp_path
 
 
@@ -75,17 +141,16 @@ def test_rows_join_every_hop_of_each_traced_request(trace_dir) -> None:
         {
             "client_send": 10.0,
             "arrive": 10.001,
-            "tokenize_sent": 10.002,
+            "tokenize_sent": 10.002,  # the first batch after the arrival
             "tokenize_in": 10.0025,
             "tokenize_out": 10.003,
             "tokenize_read": 10.004,
-            "tokenized": 10.0045,
-            "placed": 10.005,
+            "prompt_ready": 10.004,
             "engine_sent": 10.0055,
             "submit": 10.006,
-            "turn": 10.008,
-            "step_end": 10.012,  # engine 1's step 7, not engine 2's
-            "step_out": 10.0125,  # session s1's message, not s2's
+            "turn": 10.008,  # the step that took r1 in, not the one before
+            "step_end": 10.012,
+            "step_out": 10.0125,
             "step": 10.013,
             "detok_sent": 10.0135,
             "detok_in": 10.014,
@@ -96,9 +161,9 @@ def test_rows_join_every_hop_of_each_traced_request(trace_dir) -> None:
         }
     )
     # A prompt of token ids has no tokenize hops; the rest joins the same way.
-    assert "tokenize_sent" not in second
-    assert second["client_send"] == 20.0 and second["client_first"] == 20.03
-    assert second["turn"] == 20.006 and second["step_out"] == 20.019
+    assert "tokenize_sent" not in second and second["prompt_ready"] == second["arrive"]
+    assert second["client_send"] == 20.0 and second["client_first"] == pytest.approx(20.03)
+    assert second["turn"] == pytest.approx(20.006) and second["step_out"] == pytest.approx(20.019)
 
 
 def test_summary_gives_each_hop_and_the_engine_share(trace_dir) -> None:
@@ -108,6 +173,7 @@ def test_summary_gives_each_hop_and_the_engine_share(trace_dir) -> None:
     assert hops[("client_send", "arrive")]["n"] == 2
     assert hops[("client_send", "arrive")]["median_ms"] == pytest.approx(1.5)
     assert hops[("tokenize_in", "tokenize_out")]["n"] == 1
+    assert hops[("prompt_ready", "engine_sent")]["median_ms"] == pytest.approx(1.5)  # 1.5, 1.5
     assert hops[("turn", "step_end")]["median_ms"] == pytest.approx(8.0)  # 4 and 12 ms
     assert summary["total"]["median_ms"] == pytest.approx(25.0)  # 20 and 30 ms
     assert summary["engine_segment"]["median_ms"] == pytest.approx(10.75)  # 6.5 and 15

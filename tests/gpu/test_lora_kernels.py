@@ -1,0 +1,152 @@
+"""The LoRA shrink/expand Triton kernels against the per-segment torch path, and in a CUDA graph.
+
+Mixed adapters of different ranks (rank-padded slots), base rows between them, fused q|k|v
+(GQA widths) and gate|up slices, decode- and prefill-sized batches, split K; base rows must stay
+bit-for-bit untouched. A captured graph replayed after `set_batch` with another adapter mix
+must compute that mix (slot indices are graph inputs). Outputs are poisoned nowhere: y starts
+random and only adapter rows may change. The float32 reference uses the same (rounded) weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.lora.batch import LoRABatch
+from services.engine.lora.projections import PROJECTIONS
+from services.engine.lora.runtime import LoRARuntime
+from services.engine.lora.slots import LoRASlots
+from services.engine.lora.weights import AdapterWeights, ProjectionWeights
+from tests.unit.engine.lora.helpers import tiny_model_config
+
+DEVICE = "cuda"
+MAX_ROWS = 512
+SHAPES = {
+    "tiny": {},  # hidden 64, 4 heads / 2 KV heads of 16, intermediate 96
+    "wide": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 1,
+    },
+}
+
+
+def _adapter(slots: LoRASlots, name: str, rank: int, projections, seed: int) -> AdapterWeights:
+    generator = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(slots.num_layers):
+        layer = {}
+        for projection in projections:
+            shape = slots.shapes[projection]
+            a = torch.randn(shape.num_slices, rank, shape.in_features, generator=generator)
+            b = torch.randn(shape.out_features, rank, generator=generator)
+            layer[projection] = ProjectionWeights(
+                (a / shape.in_features**0.5).to(slots.dtype), (b / rank**0.5).to(slots.dtype)
+            )
+        layers.append(layer)
+    return AdapterWeights(name, "0" * 64, rank, frozenset(), tuple(layers))
+
+
+def _filled_slots(config, max_loras: int, max_rank: int, dtype, device) -> list[LoRASlots]:
+    """The same adapters in slots of `dtype` and (the reference) of float32."""
+    pair = [
+        LoRASlots(config, max_loras=max_loras, max_rank=max_rank, dtype=kind, device=device)
+        for kind in (dtype, torch.float32)
+    ]
+    for slot in range(max_loras):
+        rank = [max_rank, 1, max_rank // 2, 3][slot % 4]
+        projections = PROJECTIONS if slot % 3 != 1 else ("qkv_proj", "down_proj")
+        adapter = _adapter(pair[0], f"a{slot}", rank, projections, seed=slot)
+        for slots in pair:
+            slots.write(slot, adapter)
+    return pair
+
+
+def _row_slots(kind: str, rows: int, max_loras: int, generator) -> list[int]:
+    if kind == "one-adapter":
+        return [1] * rows
+    if kind == "all-base":
+        return [-1] * rows
+    if kind == "distinct":  # decode: every row its own pick, base rows among them
+        picks = torch.randint(-1, max_loras, (rows,), generator=generator)
+        return picks.tolist()
+    # prefill-like runs of varying length
+    out: list[int] = []
+    while len(out) < rows:
+        length = int(torch.randint(1, 40, (1,), generator=generator))
+        out.extend([int(torch.randint(-1, max_loras, (1,), generator=generator))] * length)
+    return out[:rows]
+
+
+def check_against_torch(
+    device: str, shape: str, dtype: torch.dtype, kind: str, rows: int, max_rank: int
+) -> None:
+    config = tiny_model_config(**SHAPES[shape])
+    max_loras = 8
+    slots, reference_slots = _filled_slots(config, max_loras, max_rank, dtype, device)
+    runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
+    reference = LoRARuntime(reference_slots, kernels="torch")
+    generator = torch.Generator().manual_seed(rows)
+    row_slots = _row_slots(kind, rows, max_loras, generator)
+    batch = LoRABatch.from_row_slots(row_slots)
+    runtime.set_batch(batch)
+    reference.set_batch(batch)
+    base_rows = [row for row, slot in enumerate(row_slots) if slot < 0]
+    tolerance = 2e-4 if dtype == torch.float32 else 3e-2
+    for layer in range(config.num_layers):
+        for projection in PROJECTIONS:
+            spec = slots.shapes[projection]
+            x = torch.randn(rows, spec.in_features, generator=generator).to(dtype).to(device)
+            y = torch.randn(rows, spec.out_features, generator=generator).to(dtype).to(device)
+            expected = y.to(torch.float32, copy=True)
+            reference.apply(layer, projection, x.float(), expected)
+            ours = y.clone()
+            runtime.apply(layer, projection, x, ours)
+            torch.testing.assert_close(ours.float(), expected, atol=tolerance, rtol=tolerance)
+            assert torch.equal(ours[base_rows], y[base_rows]), projection
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("kind", "rows"),
+    [("distinct", 64), ("one-adapter", 64), ("runs", 300), ("all-base", 8), ("distinct", 3)],
+)
+@pytest.mark.parametrize("max_rank", [16, 64])
+def test_kernels_match_the_torch_path(shape, dtype, kind, rows, max_rank) -> None:
+    check_against_torch(DEVICE, shape, dtype, kind, rows, max_rank)
+
+
+def check_graph_replay(device: str) -> None:
+    config = tiny_model_config(**SHAPES["wide"])
+    slots, reference_slots = _filled_slots(config, 4, 16, torch.bfloat16, device)
+    runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
+    reference = LoRARuntime(reference_slots, kernels="torch")
+    rows = 32
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, config.hidden_size, generator=generator).to(torch.bfloat16).to(device)
+    out_features = slots.shapes["qkv_proj"].out_features
+    y0 = torch.randn(rows, out_features, generator=generator).to(torch.bfloat16).to(device)
+    y = y0.clone()
+    runtime.launch_always = True
+    runtime.set_batch(LoRABatch.from_row_slots([-1] * rows))  # captured with no adapter rows
+    runtime.apply(0, "qkv_proj", x, y.clone())  # compile the kernels before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runtime.apply(0, "qkv_proj", x, y)
+    for mix in ([0] * rows, [(row % 5) - 1 for row in range(rows)], [3, -1] * (rows // 2)):
+        batch = LoRABatch.from_row_slots(mix)
+        runtime.set_batch(batch)
+        y.copy_(y0)
+        graph.replay()
+        expected = y0.to(torch.float32, copy=True)
+        reference.set_batch(batch)
+        reference.apply(0, "qkv_proj", x.float(), expected)
+        torch.testing.assert_close(y.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_a_captured_graph_serves_any_adapter_mix() -> None:
+    check_graph_replay(DEVICE)

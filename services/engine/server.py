@@ -306,7 +306,7 @@ async def serve(config: WorkerConfig, *, stop_event: asyncio.Event | None = None
     # otherwise wait out Python's default 5 ms interval.
     sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)
     metrics.start_metrics_server(config.network.metrics_port)
-    tracing.configure(tracing.TracingConfig.from_environment(), "sluice-engine")
+    tracing.configure(config.tracing, "sluice-engine")
     servicer = EngineServicer(load_report_interval_s=config.network.load_report_interval_s)
     running = await start_server(
         config.network.address,

@@ -3,7 +3,8 @@
 Composed, not copied: `WorkerNetworkConfig` holds the worker's own settings (address, metrics
 port, idle load reports) and `EngineConfig` (services/engine/config.py) the engine's; both get
 their flags from their dataclass fields and are layered flag > `SLUICE_*` env > default by
-`services.common.config.from_layers`. `WorkerConfig` bundles the two.
+`services.common.config.from_layers`. `WorkerConfig` bundles the two, with the process's
+tracing settings (services/common/tracing/).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from services.common.config import add_arguments, field, from_layers
 from services.common.errors import InvalidArgumentError
+from services.common.tracing import TracingConfig
 from services.engine.config import EngineConfig
 
 
@@ -54,6 +56,7 @@ class WorkerConfig:
 
     network: WorkerNetworkConfig
     engine: EngineConfig
+    tracing: TracingConfig = TracingConfig()
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None) -> WorkerConfig:
@@ -66,6 +69,7 @@ class WorkerConfig:
         return cls(
             network=from_layers(WorkerNetworkConfig, namespace),
             engine=from_layers(EngineConfig, namespace),
+            tracing=from_layers(TracingConfig, namespace),
         )
 
 
@@ -76,4 +80,5 @@ def build_parser(prog: str = "sluice serve engine") -> argparse.ArgumentParser:
     )
     add_arguments(parser.add_argument_group("worker"), WorkerNetworkConfig)
     add_arguments(parser.add_argument_group("engine"), EngineConfig)
+    add_arguments(parser.add_argument_group("tracing"), TracingConfig)
     return parser

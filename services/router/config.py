@@ -15,6 +15,7 @@ from services.common import env
 from services.common.config import add_arguments, field, from_layers
 from services.common.errors import InvalidArgumentError
 from services.common.redis_store import StoreConfig
+from services.common.tracing import TracingConfig
 from services.router.api_keys import ApiKeyConfig
 from services.router.pacing import (
     DEFAULT_MAX_HOLD_S,
@@ -151,11 +152,12 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """Everything `sluice serve router` reads: the router's own config and its shared store."""
+    """Everything `sluice serve router` reads: its own config, its shared store, tracing."""
 
     router: RouterConfig
     store: StoreConfig
     api_keys: ApiKeyConfig
+    tracing: TracingConfig = TracingConfig()
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None = None) -> RouterSettings:
@@ -165,6 +167,7 @@ class RouterSettings:
         add_arguments(parser, RouterConfig)
         add_arguments(parser, StoreConfig)
         add_arguments(parser, ApiKeyConfig)
+        add_arguments(parser, TracingConfig)
         args = parser.parse_args(argv)
         store = from_layers(StoreConfig, args)
         if args.engine_registry is None and env.setting("engine_registry") is None:
@@ -172,7 +175,7 @@ class RouterSettings:
         router = from_layers(RouterConfig, args)
         if router.redis_api_keys and store.redis_url is None:
             raise InvalidArgumentError("--redis-api-keys needs --redis-url")
-        return cls(router, store, from_layers(ApiKeyConfig, args))
+        return cls(router, store, from_layers(ApiKeyConfig, args), from_layers(TracingConfig, args))
 
 
 def _positive_int(name: str, value: object) -> None:

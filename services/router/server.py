@@ -232,7 +232,7 @@ async def serve(settings: RouterSettings, *, stop: asyncio.Event | None = None) 
     config = settings.router
     sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)
     start_metrics_server(config.metrics_port)
-    tracing.configure(tracing.TracingConfig.from_environment(), "sluice-router")
+    tracing.configure(settings.tracing, "sluice-router")
     shared = await SharedState.open(settings)
     core, server = await start(config, shared=shared)
     loop = asyncio.get_running_loop()

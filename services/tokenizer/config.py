@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from services.common.config import add_arguments, field, from_layers
 from services.common.errors import InvalidArgumentError
+from services.common.tracing import TracingConfig
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,15 @@ class TokenizerConfig:
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None = None) -> TokenizerConfig:
         """Parse `--flags` (then environment, then defaults) into a config."""
-        parser = argparse.ArgumentParser(
-            prog="sluice serve tokenizer", description="Sluice tokenizer/detokenizer service"
-        )
-        add_arguments(parser, cls)
-        return from_layers(cls, parser.parse_args(list(argv) if argv is not None else None))
+        return settings_from_argv(argv)[0]
+
+
+def settings_from_argv(argv: Sequence[str] | None = None) -> tuple[TokenizerConfig, TracingConfig]:
+    """What `sluice serve tokenizer` reads: its config and the process's tracing settings."""
+    parser = argparse.ArgumentParser(
+        prog="sluice serve tokenizer", description="Sluice tokenizer/detokenizer service"
+    )
+    add_arguments(parser, TokenizerConfig)
+    add_arguments(parser, TracingConfig)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    return from_layers(TokenizerConfig, args), from_layers(TracingConfig, args)

@@ -34,7 +34,7 @@ from services.common import event_loop, tracing
 from services.common.config import describe
 from services.common.errors import InvalidArgumentError, SluiceError
 from services.common.grpc_server import RunningServer, start_server
-from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.config import TokenizerConfig, settings_from_argv
 from services.tokenizer.session import (
     DecodeOptions,
     Delta,
@@ -300,11 +300,21 @@ async def start(config: TokenizerConfig, model: TokenizerModel | None = None) ->
     return TokenizerServer(running, servicer)
 
 
-async def serve(config: TokenizerConfig, stop: asyncio.Event | None = None) -> None:
-    """Run the service until SIGTERM/SIGINT (or `stop` is set), then drain open calls."""
+async def serve(
+    config: TokenizerConfig,
+    stop: asyncio.Event | None = None,
+    *,
+    tracing_config: tracing.TracingConfig | None = None,
+) -> None:
+    """Run the service until SIGTERM/SIGINT (or `stop` is set), then drain open calls.
+
+    `tracing_config`: this process's tracing (default: from the `SLUICE_*` environment).
+    """
     stop = stop or asyncio.Event()
     sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)  # encoding threads hand off too
-    tracing.configure(tracing.TracingConfig.from_environment(), "sluice-tokenizer")
+    tracing.configure(
+        tracing_config or tracing.TracingConfig.from_environment(), "sluice-tokenizer"
+    )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
@@ -321,7 +331,7 @@ async def serve(config: TokenizerConfig, stop: asyncio.Event | None = None) -> N
 def main(argv: list[str] | None = None) -> None:
     """`sluice serve tokenizer` / `python -m services.tokenizer.server`."""
     try:
-        config = TokenizerConfig.from_argv(argv)
+        config, tracing_config = settings_from_argv(argv)
     except SluiceError as exc:
         raise SystemExit(f"error: {exc.code}: {exc.message}") from None
     logging.basicConfig(
@@ -329,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     log.info("%s", describe(config))
     try:
-        event_loop.run(serve(config))
+        event_loop.run(serve(config, tracing_config=tracing_config))
     except SluiceError as exc:
         raise SystemExit(f"error: {exc.code}: {exc.message}") from None
 

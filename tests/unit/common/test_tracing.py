@@ -255,3 +255,19 @@ def test_session_streams_record_first_token_hops_at_both_ends(traced) -> None:
         "/sluice.v1.Tokenizer/DetokenizeSession",
     }
     assert not calls.get_finished_spans()  # session streams make no call spans
+
+
+def test_every_service_takes_the_settings_as_flags(monkeypatch) -> None:
+    from services.engine.worker_config import WorkerConfig
+    from services.router.config import RouterSettings
+    from services.tokenizer.config import settings_from_argv
+
+    monkeypatch.setenv("SLUICE_TRACE_SAMPLE_RATIO", "0.5")  # a flag wins over the environment
+    flags = ["--otlp-traces-endpoint", "http://collector:4317", "--trace-sample-ratio", "0.1"]
+    expected = tracing.TracingConfig(
+        otlp_traces_endpoint="http://collector:4317", trace_sample_ratio=0.1
+    )
+    assert RouterSettings.from_argv(flags).tracing == expected
+    assert WorkerConfig.from_argv(["--model", "dummy:tiny", *flags]).tracing == expected
+    assert settings_from_argv(flags)[1] == expected
+    assert RouterSettings.from_argv([]).tracing == tracing.TracingConfig(trace_sample_ratio=0.5)

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 
 from services.common.config import field
 from services.common.errors import InvalidArgumentError
+from services.engine.lora.config import (
+    DEFAULT_MAX_CPU_LORAS,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    LoRAConfig,
+)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 FORWARD_THREAD_POLICIES = ("normal", "idle")
@@ -59,6 +65,21 @@ class EngineConfig:
         "time to first token under load, less throughput, and a busy neighbour process can "
         "starve the engine; BENCHMARKS.md has the figures)",
     )
+    max_loras: int = field(
+        DEFAULT_MAX_LORAS,
+        help="LoRA adapters resident on the device at once (slots; one batch mixes them)",
+    )
+    max_cpu_loras: int = field(
+        DEFAULT_MAX_CPU_LORAS, help="LoRA adapters kept in host memory (LRU; >= max_loras)"
+    )
+    max_lora_rank: int = field(
+        DEFAULT_MAX_LORA_RANK,
+        help="largest LoRA rank served; slot memory is sized for max_loras adapters of it",
+    )
+    adapter_root: str | None = field(
+        None,
+        help="directory every registered LoRA adapter path must resolve under (unset: no adapters)",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
@@ -98,6 +119,7 @@ class EngineConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidArgumentError(f"seed must be an integer >= 0, got {self.seed!r}")
+        LoRAConfig.from_engine_config(self)  # validates the LoRA fields
 
     def resolved_device(self) -> str:
         """The concrete device: `auto` becomes cuda when a GPU is visible, else cpu."""

@@ -1,10 +1,9 @@
 """The engine's LoRA settings: one frozen, validated dataclass.
 
-The same four fields (same names, types, defaults and help) are meant to sit in EngineConfig,
-so that `--max-loras`, `--max-cpu-loras`, `--max-lora-rank` and `--adapter-root` are flags and
-`SLUICE_*` variables like every other engine setting; `LoRAConfig.from_engine_config` takes
-them from there. Adapters are off until `adapter_root` is set: without it no slot memory is
-allocated and any adapter name is unknown.
+The same four fields sit in EngineConfig (flags `--max-loras`, `--max-cpu-loras`,
+`--max-lora-rank`, `--adapter-root` and their `SLUICE_*` variables, with the help text there);
+`LoRAConfig.from_engine_config` takes them from it and validates them. Adapters are off until
+`adapter_root` is set: without it no slot memory is allocated and every adapter name is unknown.
 """
 
 from __future__ import annotations
@@ -12,27 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.config import field
 from services.common.errors import InvalidArgumentError
+
+DEFAULT_MAX_LORAS = 4
+DEFAULT_MAX_CPU_LORAS = 16
+DEFAULT_MAX_LORA_RANK = 64
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
     """Device slots, host cache, rank limit and the only directory adapters may come from."""
 
-    max_loras: int = field(
-        4, help="LoRA adapters resident on the device at once (slots; one batch mixes them)"
-    )
-    max_cpu_loras: int = field(
-        16, help="LoRA adapters kept loaded in host memory (LRU; at least max_loras)"
-    )
-    max_lora_rank: int = field(
-        64, help="largest LoRA rank served; slot memory is sized for it (max_loras x rank)"
-    )
-    adapter_root: str | None = field(
-        None,
-        help="directory that every registered adapter path must resolve under (unset: no adapters)",
-    )
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    adapter_root: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):

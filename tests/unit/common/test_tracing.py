@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -271,3 +272,49 @@ def test_every_service_takes_the_settings_as_flags(monkeypatch) -> None:
     assert WorkerConfig.from_argv(["--model", "dummy:tiny", *flags]).tracing == expected
     assert settings_from_argv(flags)[1] == expected
     assert RouterSettings.from_argv([]).tracing == tracing.TracingConfig(trace_sample_ratio=0.5)
+
+
+def test_configure_writes_json_lines_and_sends_only_call_spans_to_a_collector(
+    tmp_path, monkeypatch
+) -> None:
+    from opentelemetry.exporter.otlp.proto.grpc import trace_exporter
+
+    endpoints = []
+
+    class Collector(InMemorySpanExporter):  # stands in for the OTLP exporter
+        def __init__(self, endpoint: str) -> None:
+            super().__init__()
+            endpoints.append(endpoint)
+
+    monkeypatch.setattr(trace_exporter, "OTLPSpanExporter", Collector)
+    try:
+        tracing.configure(
+            tracing.TracingConfig(otlp_traces_endpoint="http://127.0.0.1:9"), "sluice-a"
+        )
+        assert endpoints == ["http://127.0.0.1:9"]
+        assert tracing.enabled() and len(tracing.server_interceptors()) == 1
+        assert tracing.step_hook() is None  # step and hop spans go to a trace directory only
+        assert tracing._runtime.hops is None
+
+        tracing.configure(tracing.TracingConfig(trace_dir=str(tmp_path)), "sluice-b")
+        runtime = tracing._runtime
+        hook = tracing.step_hook()
+        hook(1_000, 2_000, 7, ["s1/r1"], 12)
+        span = runtime.calls.start_span("sluice.v1.Router/Generate", start_time=500)
+        span.add_event("first_token", timestamp=900)
+        span.end(end_time=1_500)
+    finally:
+        tracing.shutdown()  # flushes
+    assert not tracing.enabled()
+    (path,) = tmp_path.glob("sluice-b-*.jsonl")
+    lines = {line["name"]: line for line in map(json.loads, path.read_text().splitlines())}
+    step = lines["engine step"]
+    assert (step["start_ns"], step["end_ns"], step["service"]) == (1_000, 2_000, "sluice-b")
+    assert step["attributes"] == {
+        "sluice.step_index": 7,
+        "sluice.request_ids": ["s1/r1"],
+        "sluice.batched_tokens": 12,
+    }
+    call = lines["sluice.v1.Router/Generate"]
+    assert call["events"] == [{"name": "first_token", "time_ns": 900, "attributes": {}}]
+    assert len(call["trace_id"]) == 32 and call["parent_span_id"] is None

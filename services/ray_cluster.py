@@ -13,29 +13,23 @@ Redis itself) and `max_task_retries=0` so nothing in flight is replayed. It wait
 to report ready and returns their addresses. `stop()` deregisters and stops the actors, then shuts
 Ray down if this process started it.
 
-`python -m services.ray_cluster --ray-address auto ...` is the same for a Ray cluster someone else
-started (the KubeRay head pod in deploy/k8s runs it after `ray start --head`): it joins, starts the
-engine actors (`--engine-port` pins their gRPC port on each node, so probes and network policies
-can name it), and holds them until SIGTERM, when it drains and deregisters them.
+On a cluster someone else started (KubeRay), `services/ray_engines.py` drives the same calls.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.config import add_arguments, field, from_layers
-from services.common.errors import InvalidArgumentError, SluiceError, UnavailableError
+from services.common.config import field
+from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.ports import free_port
 from services.common.redis_store import StoreConfig
 from services.engine.worker import EngineWorker, EngineWorkerSettings
-from services.engine.worker_config import WorkerConfig, build_parser
+from services.engine.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -270,44 +264,3 @@ def start_ray_engines(
         cluster.stop()
         raise
     return cluster
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m services.ray_cluster`: engine actors on a running Ray cluster until SIGTERM."""
-    parser = build_parser("python -m services.ray_cluster")
-    parser.description = "Join a Ray cluster and hold one engine actor per GPU until SIGTERM."
-    add_arguments(parser.add_argument_group("ray"), RayClusterConfig)
-    add_arguments(parser.add_argument_group("registry"), StoreConfig)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
-        config = from_layers(RayClusterConfig, args)
-        worker = WorkerConfig.from_namespace(args)
-        store = from_layers(StoreConfig, args)
-        if config.ray_address is None:
-            raise InvalidArgumentError("--ray-address is needed (auto: the cluster of this node)")
-        if config.wait_for_gpus and config.engines is None:
-            raise InvalidArgumentError("--wait-for-gpus needs --engines")
-    except SluiceError as exc:
-        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    cluster = RayCluster(config).start()
-    try:
-        if config.wait_for_gpus and config.engines is not None:
-            cluster.wait_for_gpus(config.engines)
-        engines = cluster.start_engines(worker, store, host=worker.network.host)
-    except SluiceError as exc:
-        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
-        return 1
-    for engine in engines:
-        print(f"engine {engine.engine_id} ready at {engine.address}", flush=True)
-    stop.wait()
-    cluster.stop(timeout_s=worker.network.shutdown_grace_s + 5.0)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

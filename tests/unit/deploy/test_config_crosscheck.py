@@ -90,9 +90,9 @@ def _build(module: str, argv: tuple[str, ...]) -> argparse.Namespace:
         from services.engine.worker_config import WorkerConfig
 
         WorkerConfig.from_namespace(namespace)
-        if module in ("services.engine.worker", "services.ray_cluster"):
+        if module in ("services.engine.worker", "services.ray_engines"):
             from_layers(StoreConfig, namespace)
-        if module == "services.ray_cluster":
+        if module == "services.ray_engines":
             from services.ray_cluster import RayClusterConfig
 
             from_layers(RayClusterConfig, namespace)
@@ -127,6 +127,7 @@ def test_flags_env_ports_and_grace_match_the_service_config(
         for name in _environment(overlay, container):
             if name.startswith("SLUICE_") and name not in _config_map(overlay):
                 assert name in env_only_settings(), f"{name}: read by no actor"
+        _check_drain_hook(overlay, pod, container)
         return
     environment = _environment(overlay, container)
     for name in list(os_environ_sluice()):
@@ -143,9 +144,9 @@ def test_flags_env_ports_and_grace_match_the_service_config(
         if name.startswith("SLUICE_"):
             assert name in readable, f"{found.module} reads no {name}"
 
-    listen = namespace.engine_port if found.module == "services.ray_cluster" else namespace.port
+    listen = namespace.engine_port if found.module == "services.ray_engines" else namespace.port
     assert listen is not None, f"{found.module}: no port given"
-    if found.module == "services.ray_cluster":
+    if found.module == "services.ray_engines":
         _check_engine_workers(overlay, int(listen))
     else:
         assert _port(container, "grpc") == int(listen)
@@ -153,7 +154,7 @@ def test_flags_env_ports_and_grace_match_the_service_config(
             assert container[probe]["grpc"]["port"] == int(listen), probe
     if getattr(namespace, "metrics_port", None) is not None:
         metrics = _port(container, "metrics")
-        if found.module == "services.ray_cluster":
+        if found.module == "services.ray_engines":
             metrics = _port(_ray_worker_container(overlay), "metrics")
         assert metrics == int(namespace.metrics_port)
 
@@ -173,6 +174,21 @@ def os_environ_sluice() -> list[str]:
 def _ray_worker_container(overlay: str) -> dict[str, Any]:
     ray = one(overlay, "RayCluster", "sluice-ray")
     return ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+
+
+def _check_drain_hook(overlay: str, pod: Pod, container: dict[str, Any]) -> None:
+    """A Ray worker's preStop drains its engine with the head's grace, within the pod's."""
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:3] == ["python", "-m", "services.ray_engines"], command
+    namespace = parse(command[2], tuple(command[3:]))
+    assert namespace.drain_this_node is True
+    head = one(overlay, "RayCluster", "sluice-ray")["spec"]["headGroupSpec"]["template"]["spec"]
+    driver = process(head["containers"][0])
+    assert driver is not None
+    head_grace = _grace_s(parse(driver.module, driver.argv), service_parser(driver.module))
+    drain_grace = _grace_s(namespace, service_parser(command[2]))
+    assert drain_grace >= head_grace, "the hook gives up before the engine's drain ends"
+    assert pod.spec["terminationGracePeriodSeconds"] > drain_grace + 5.0
 
 
 def _check_engine_workers(overlay: str, engine_port: int) -> None:

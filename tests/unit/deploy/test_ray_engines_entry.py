@@ -1,4 +1,4 @@
-"""`python -m services.ray_cluster`, the driver the KubeRay head runs: its flags, its GPU wait,
+"""`python -m services.ray_engines`, the driver the KubeRay head runs: its flags, its GPU wait,
 and the fixed engine port on a joined cluster, with a stand-in `ray` module (no Ray started)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.redis_store import StoreConfig
 from services.engine.worker_config import WorkerConfig
-from services.ray_cluster import RayCluster, RayClusterConfig, main
+from services.ray_cluster import RayCluster, RayClusterConfig
+from services.ray_engines import main
 
 
 class _FakeRay(types.ModuleType):
@@ -103,3 +104,36 @@ def test_main_refuses_incomplete_command_lines(
 ) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_drain_this_node_stops_only_the_engines_served_from_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stopped: list[str] = []
+
+    def actor(engine_id: str, address: str) -> Any:
+        info = {"engine_id": engine_id, "address": address}
+        return types.SimpleNamespace(
+            describe=types.SimpleNamespace(remote=lambda: info),
+            stop=types.SimpleNamespace(remote=lambda timeout: stopped.append(engine_id) or True),
+        )
+
+    actors = {
+        "sluice-engine-0": actor("engine-0", "10.1.2.3:50061"),
+        "sluice-engine-1": actor("engine-1", "10.9.9.9:50061"),
+        "other-actor": actor("x", "10.1.2.3:1"),
+    }
+    ray = types.ModuleType("ray")
+    calls: list[str] = []
+    ray.init = lambda **kwargs: calls.append(f"init {kwargs['address']} {kwargs['namespace']}")
+    ray.shutdown = lambda: calls.append("shutdown")
+    ray.get_actor = actors.__getitem__
+    ray.get = lambda value, timeout=None: value
+    ray.util = types.ModuleType("ray.util")
+    ray.util.list_named_actors = lambda: list(actors)
+    ray.util.get_node_ip_address = lambda: "10.1.2.3"
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.util", ray.util)
+    assert main(["--ray-address=auto", "--drain-this-node", "--shutdown-grace-s=1"]) == 0
+    assert stopped == ["engine-0"]
+    assert calls == ["init auto sluice", "shutdown"]

@@ -2,12 +2,13 @@
 what the architecture promises: persistence, autoscaling, disruption budgets, probes, security
 contexts, network isolation, and engines as Ray actors on KubeRay in the gpu overlay.
 
-Checked offline (deploy/README in tests/unit/deploy/manifests.py says how).
+Checked offline; tests/unit/deploy/manifests.py says how.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 
 import jsonschema
 import pytest
@@ -16,6 +17,7 @@ from kubernetes_validate.utils import SchemaNotFoundError
 from tests.unit.deploy.manifests import (
     K8S,
     OVERLAYS,
+    SLUICE_IMAGES,
     objects,
     one,
     pods,
@@ -205,3 +207,14 @@ def test_base_raycluster_names_the_image_ray_version() -> None:
     ray = one("gpu", "RayCluster", "sluice-ray")
     dockerfile = (K8S.parent / "docker" / "Dockerfile.cuda").read_text()
     assert f"ARG RAY_VERSION={ray['spec']['rayVersion']}\n" in dockerfile
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_are_pinned(overlay: str) -> None:
+    """Sluice's own images get their tag from kustomize `images:`; others name an exact version."""
+    images = {c["image"] for pod in pods(overlay) for c in pod.spec["containers"]}
+    for image in images:
+        name, _, tag = image.partition(":")
+        assert tag and tag != "latest", f"{overlay}: {image} is not pinned"
+        if name not in SLUICE_IMAGES:
+            assert re.match(r"\d+\.\d+\.\d+", tag), f"{overlay}: {image} is not an exact version"

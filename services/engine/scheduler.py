@@ -8,6 +8,8 @@ prefill). When a running sequence needs a KV block and none is free, the running
 the lowest priority (highest value, latest arrival) is preempted by recompute: its blocks are
 freed and it waits again, to be recomputed from its prompt plus the tokens it already generated.
 A request that could never fit (more blocks than the whole cache) is refused at `add`.
+With LoRA adapters, a waiting sequence is admitted only once its adapter has a device slot
+(`AdapterSlots.acquire`); until then it stays waiting and sequences behind it go ahead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import Protocol
 
 from services.common.errors import ResourceExhaustedError
 from services.engine.block_manager import BlockManager
@@ -43,6 +46,18 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class AdapterSlots(Protocol):
+    """The engine's LoRA slots as the scheduler sees them (services/engine/lora/gate.py)."""
+
+    def acquire(self, seq: Sequence) -> bool:
+        """Pin `seq`'s adapter slot (sets seq.adapter_slot); False: it must keep waiting."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` stops running: unpin its slot (seq.adapter_slot back to -1)."""
+        ...
+
+
 # Scheduling order: lower priority value first, then earlier arrival (a C-level key).
 _rank = attrgetter("priority", "arrival")
 
@@ -55,9 +70,15 @@ def _cached_one_token_last(item: tuple[Sequence, int]) -> bool:
 class Scheduler:
     """Continuous batching with chunked prefill and preemption by recompute."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        adapter_slots: AdapterSlots | None = None,
+    ):
         self.config = config
         self.block_manager = block_manager
+        self.adapter_slots = adapter_slots
         self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []  # heap by rank
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -84,6 +105,8 @@ class Scheduler:
         """Remove a finished or aborted sequence and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if self.adapter_slots is not None:
+                self.adapter_slots.release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
             heapq.heapify(self.waiting)
@@ -178,8 +201,13 @@ class Scheduler:
 
     def _admit(self, budget: int, prefills: list[tuple[Sequence, int]]) -> None:
         manager = self.block_manager
+        adapters = self.adapter_slots
+        skipped: list[tuple[tuple[int, int], int, Sequence]] = []  # adapter loading or no slot
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][2]
+            if adapters is not None and seq.adapter is not None and not adapters.acquire(seq):
+                skipped.append(heapq.heappop(self.waiting))
+                continue
             if not seq.block_table:
                 cached = manager.match_prefix(seq)
                 seq.num_computed_tokens = cached
@@ -194,6 +222,8 @@ class Scheduler:
                 # Give back the cached prefix so the blocks stay evictable while it waits.
                 manager.free(seq)
                 seq.num_computed_tokens = 0
+                if adapters is not None:
+                    adapters.release(seq)
                 break
             heapq.heappop(self.waiting)
             if seq.num_preemptions == 0:
@@ -202,10 +232,14 @@ class Scheduler:
             self.running.append(seq)
             budget -= num_tokens
             prefills.append((seq, num_tokens))
+        for entry in skipped:
+            heapq.heappush(self.waiting, entry)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        if self.adapter_slots is not None:
+            self.adapter_slots.release(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         heapq.heappush(self.waiting, (_rank(seq), seq.seq_id, seq))

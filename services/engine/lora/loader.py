@@ -5,7 +5,9 @@ Every tensor name must be one of `base_model.model.model.layers.N.{self_attn|mlp
 B [out, r]), ranks the config (and its rank_pattern), values must be finite. Embedding or LM-head
 tensors, DoRA magnitudes and anything else are refused (INVALID_ARGUMENT) with the reason. The
 safetensors bytes are parsed from memory: the checksum covers exactly what is loaded. Runs on the
-adapter manager's loader thread, never on the step loop.
+adapter manager's loader thread, never on the step loop. `inspect_adapter` does the same checks
+once at registration (a bad adapter is refused then, never at a request's first token) and
+returns the AdapterRecord with the files' SHA-256.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from services.common.errors import InvalidArgumentError
 from services.engine.lora.paths import (
     CONFIG_FILE,
     WEIGHTS_FILE,
+    checksum_of,
     read_adapter_files,
     resolve_adapter_dir,
     verify_checksum,
@@ -32,6 +35,7 @@ from services.engine.lora.projections import (
     module_shape,
     projection_shapes,
 )
+from services.engine.lora.records import AdapterRecord, validate_adapter_name
 from services.engine.lora.weights import AdapterWeights, ProjectionWeights
 from services.engine.models.config import ModelConfig
 
@@ -45,6 +49,36 @@ _REFUSED_NAMES = (
     ("lm_head", "adapters on the LM head are not supported"),
     ("bias", "adapter bias tensors are not supported"),
 )
+
+
+def inspect_adapter(
+    name: str,
+    path: str,
+    *,
+    adapter_root: str | Path | None,
+    model_config: ModelConfig,
+    max_rank: int,
+) -> AdapterRecord:
+    """Check an adapter completely and return its record (raises a SluiceError with the reason)."""
+    validate_adapter_name(name)
+    directory = resolve_adapter_dir(path, adapter_root)
+    contents = read_adapter_files(directory)
+    checksum = checksum_of(contents)
+    weights = parse_adapter(
+        name,
+        contents,
+        checksum,
+        model_config=model_config,
+        max_rank=max_rank,
+        dtype=torch.float32,
+    )
+    return AdapterRecord(
+        name=name,
+        path=path,
+        checksum=checksum,
+        rank=weights.rank,
+        modules=tuple(sorted(weights.modules)),
+    )
 
 
 def load_registered_adapter(

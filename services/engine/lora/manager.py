@@ -69,6 +69,7 @@ class AdapterManager:
         self._loading: dict[Key, tuple[AdapterRecord, Future[Any]]] = {}
         self._slots = [_Slot() for _ in range(max_loras)]
         self._slot_order: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
+        self._draining: int | None = None  # a slot taking no new pins, for a waiting adapter
         self.num_loads = 0
         self.num_slot_writes = 0
 
@@ -126,18 +127,28 @@ class AdapterManager:
         return record.key in self._host or self._slot_of(record.key) is not None
 
     def acquire(self, record: AdapterRecord) -> int | None:
-        """Pin a device slot holding `record` (writing it if needed); None: none can be had now."""
+        """Pin a device slot holding `record` (writing it if needed); None: none can be had now.
+
+        When every slot is pinned, the least recently acquired one starts draining: it takes
+        no new pins, so once its running sequences end the waiting adapter gets it (no
+        adapter waits forever behind a steady stream of requests for resident ones).
+        """
         slot = self._slot_of(record.key)
+        if slot is not None and slot == self._draining:
+            return None
         if slot is None:
             weights = self._host.get(record.key)
             if weights is None:
                 return None
             slot = self._free_slot()
             if slot is None:
+                if self._draining is None:
+                    self._draining = next(iter(self._slot_order))
                 return None
             self._write_slot(slot, weights)
             self.num_slot_writes += 1
             self._slots[slot].key = record.key
+            self._draining = None
         self._slots[slot].pins += 1
         self._slot_order.move_to_end(slot)
         return slot
@@ -168,6 +179,8 @@ class AdapterManager:
                     error = SluiceError(f"adapter {record.name!r} failed to load: {error}")
                 self._failed[key] = error
                 failures.append((record, error))
+        if self._draining is not None and not self._blocked():
+            self._draining = None  # the adapter it drained for is gone or got a slot
         for key in self._missing():
             if not self._make_host_room():
                 break
@@ -203,6 +216,15 @@ class AdapterManager:
             and key not in in_slots
             and key not in self._failed
         ]
+
+    def _blocked(self) -> bool:
+        """Whether an adapter in demand is in memory but in no slot (it waits for one)."""
+        in_slots = {entry.key for entry in self._slots}
+        return any(key in self._host and key not in in_slots for key in self._demand)
+
+    @property
+    def draining_slot(self) -> int | None:
+        return self._draining
 
     def _slot_of(self, key: Key) -> int | None:
         for index, entry in enumerate(self._slots):

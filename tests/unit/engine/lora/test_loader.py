@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
-from services.engine.lora.loader import load_registered_adapter, parse_adapter
+from services.engine.lora.loader import inspect_adapter, load_registered_adapter, parse_adapter
 from services.engine.lora.paths import checksum_of, read_adapter_files
 from services.engine.lora.projections import MODULE_PARENT, MODULE_TO_SLICE, projection_shapes
-from services.engine.lora.records import inspect_adapter, validate_adapter_name
+from services.engine.lora.records import validate_adapter_name
 from tests.unit.engine.lora.helpers import (
     ALL_MODULES,
     lora_tensors,

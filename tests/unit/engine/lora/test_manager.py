@@ -216,3 +216,26 @@ def test_loads_run_on_another_thread_by_default() -> None:
 def test_limits_are_checked() -> None:
     with pytest.raises(ValueError):
         AdapterManager(max_loras=4, max_cpu_loras=2, load=str, write_slot=lambda *_: None)
+
+
+def test_a_waiting_adapter_drains_the_oldest_slot_instead_of_starving() -> None:
+    manager, executor, _ = make(max_loras=2, max_cpu_loras=3)
+    a, b, c = _load(manager, executor, "a", "b", "c")
+    slot_a, slot_b = manager.acquire(a), manager.acquire(b)
+    assert manager.acquire(c) is None and manager.draining_slot == slot_a
+    assert manager.acquire(a) is None  # a takes no new sequences while it drains ...
+    assert manager.acquire(b) == slot_b  # ... b still does
+    manager.release(slot_a)  # a's last running sequence ends
+    assert manager.acquire(c) == slot_a and manager.draining_slot is None
+    assert manager.acquire(a) is None  # now a waits for a slot (and drains the oldest: b)
+    assert manager.draining_slot == slot_b
+
+
+def test_draining_stops_when_the_waiting_adapter_is_gone() -> None:
+    manager, executor, _ = make(max_loras=1, max_cpu_loras=2)
+    a, b = _load(manager, executor, "a", "b")
+    slot = manager.acquire(a)
+    assert manager.acquire(b) is None and manager.draining_slot == slot
+    manager.drop(b)  # b's request was aborted
+    manager.poll()
+    assert manager.draining_slot is None and manager.acquire(a) == slot

@@ -16,8 +16,7 @@ import torch
 from services.engine.cpu_runner import CpuModelRunner
 from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
 from services.engine.lora.batch import LoRABatch
-from services.engine.lora.loader import load_registered_adapter
-from services.engine.lora.records import inspect_adapter
+from services.engine.lora.loader import inspect_adapter, load_registered_adapter
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.wrap import attach_lora

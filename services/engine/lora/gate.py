@@ -1,0 +1,74 @@
+"""AdapterGate: the adapter bookkeeping of each sequence, for the engine and the scheduler.
+
+Plain Python. The engine calls `hold(seq)` when a request arrives (NOT_FOUND for an unknown
+adapter, before anything is queued) and `drop(seq)` when it is gone; `poll()` once per step
+(background loads land; sequences whose adapter failed to load come back with the error). The
+scheduler calls `acquire(seq)` before admitting a waiting sequence — False while its adapter is
+loading or no slot can be had, so the sequence stays waiting and others go ahead — and
+`release(seq)` when it preempts or finishes one; `seq.adapter_slot` is the slot it runs with.
+"""
+
+from __future__ import annotations
+
+from services.common.errors import SluiceError
+from services.engine.lora.batch import BASE_SLOT
+from services.engine.lora.manager import AdapterManager
+from services.engine.lora.records import AdapterRecord
+from services.engine.sequence import Sequence
+
+
+class AdapterGate:
+    """Which registered adapter each live sequence uses, and the slot it holds while it runs."""
+
+    def __init__(self, manager: AdapterManager) -> None:
+        self.manager = manager
+        self._records: dict[int, AdapterRecord] = {}
+
+    def hold(self, seq: Sequence) -> None:
+        """Register a new request's adapter use (raises NotFoundError for an unknown name)."""
+        if seq.adapter is not None:
+            self._records[seq.seq_id] = self.manager.hold(seq.adapter)
+
+    def record_of(self, seq: Sequence) -> AdapterRecord | None:
+        return self._records.get(seq.seq_id)
+
+    def acquire(self, seq: Sequence) -> bool:
+        """Give `seq` its adapter's slot; False if it must keep waiting (base model: True)."""
+        record = self._records.get(seq.seq_id)
+        if record is None or seq.adapter_slot != BASE_SLOT:
+            return True
+        if not self.manager.ready(record):
+            return False
+        slot = self.manager.acquire(record)
+        if slot is None:
+            return False
+        seq.adapter_slot = slot
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` stops running (preempted or finished): unpin its slot."""
+        if seq.adapter_slot != BASE_SLOT:
+            self.manager.release(seq.adapter_slot)
+            seq.adapter_slot = BASE_SLOT
+
+    def drop(self, seq: Sequence) -> None:
+        """The request is finished or aborted: release its slot and its demand."""
+        self.release(seq)
+        record = self._records.pop(seq.seq_id, None)
+        if record is not None:
+            self.manager.drop(record)
+
+    def poll(self) -> list[tuple[int, SluiceError]]:
+        """Advance loads; (seq_id, error) of each live sequence whose adapter failed to load."""
+        failed = {record.key: error for record, error in self.manager.poll()}
+        if not failed:
+            return []
+        return [
+            (seq_id, failed[record.key])
+            for seq_id, record in self._records.items()
+            if record.key in failed
+        ]
+
+    @property
+    def num_held(self) -> int:
+        return len(self._records)

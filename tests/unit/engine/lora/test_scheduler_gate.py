@@ -1,0 +1,138 @@
+"""The scheduler with adapters: loading adapters wait without blocking others; slots are pinned
+while sequences run, released on finish and preemption; a waiting adapter drains a slot."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import FailedPreconditionError, NotFoundError
+from services.common.protocol.sampling_params import SamplingParams
+from services.engine.block_manager import BlockManager
+from services.engine.lora.gate import AdapterGate
+from services.engine.lora.manager import AdapterManager
+from services.engine.lora.records import AdapterRecord
+from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.sequence import Sequence, SequenceStatus
+from tests.unit.engine.lora.test_manager import ManualExecutor
+
+_ids = iter(range(10**9))
+
+
+class Engine:
+    """The engine's part around the scheduler: hold at arrival, poll per step, drop at the end."""
+
+    def __init__(self, max_loras: int = 2, num_blocks: int = 64, broken: tuple = ()) -> None:
+        self.executor = ManualExecutor()
+        self.written: list[tuple[int, str]] = []
+
+        def load(record: AdapterRecord) -> str:
+            if record.name in broken:
+                raise FailedPreconditionError(f"adapter {record.name!r} changed on disk")
+            return record.name
+
+        manager = AdapterManager(
+            max_loras=max_loras,
+            max_cpu_loras=4,
+            load=load,
+            write_slot=lambda slot, weights: self.written.append((slot, weights)),
+            executor=self.executor,
+        )
+        for name in ("a", "b", "c"):
+            manager.register(AdapterRecord(name, name, "sum", 8, ("q_proj",)))
+        self.gate = AdapterGate(manager)
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+        self.scheduler = Scheduler(config, BlockManager(num_blocks, 4), self.gate)
+
+    def add(self, adapter: str | None, prompt_len: int = 4, max_tokens: int = 4) -> Sequence:
+        seq_id = next(_ids)
+        seq = Sequence(
+            seq_id,
+            f"r{seq_id}",
+            list(range(1, prompt_len + 1)),
+            SamplingParams(max_tokens=max_tokens),
+            adapter=adapter,
+        )
+        self.gate.hold(seq)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self, run_loads: bool = True) -> list[tuple[int, int]]:
+        """One step; (seq_id, adapter_slot) of the scheduled sequences."""
+        self.gate.poll()
+        if run_loads:
+            self.executor.run_all()
+            self.gate.poll()
+        output = self.scheduler.schedule()
+        for seq, count in output.scheduled:
+            seq.num_computed_tokens += count
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(5)
+        return [(item.seq_id, item.adapter_slot) for item in output.batch.sequences]
+
+    def finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.gate.drop(seq)
+
+
+def test_unknown_adapter_is_refused_before_queueing() -> None:
+    engine = Engine()
+    seq = Sequence(99, "r99", [1, 2], SamplingParams(max_tokens=2), adapter="zzz")
+    with pytest.raises(NotFoundError):
+        engine.gate.hold(seq)
+    assert engine.scheduler.num_waiting == 0
+
+
+def test_a_loading_adapter_waits_and_others_go_ahead() -> None:
+    engine = Engine()
+    with_adapter = engine.add("a")
+    base = engine.add(None)
+    assert engine.step(run_loads=False) == [(base.seq_id, -1)]
+    assert with_adapter.status is SequenceStatus.WAITING and engine.scheduler.num_waiting == 1
+    scheduled = engine.step()  # the load lands; the sequence is admitted with its slot
+    assert (with_adapter.seq_id, 0) in scheduled and with_adapter.adapter_slot == 0
+    assert engine.written == [(0, "a")]
+
+
+def test_slots_are_pinned_while_running_and_released_at_the_end() -> None:
+    engine = Engine(max_loras=1)
+    first_a, b = engine.add("a"), engine.add("b")
+    assert engine.step() == [(first_a.seq_id, 0)]  # b waits: the only slot is a's
+    second_a = engine.add("a")
+    engine.step()
+    # b waits for the slot, so it drains: the new a request is not admitted either.
+    assert b.status is SequenceStatus.WAITING and second_a.status is SequenceStatus.WAITING
+    engine.finish(first_a)
+    assert engine.step() == [(b.seq_id, 0)] and engine.written[-1] == (0, "b")
+    engine.finish(b)
+    assert engine.step() == [(second_a.seq_id, 0)] and engine.written[-1] == (0, "a")
+
+
+def test_preemption_releases_the_slot() -> None:
+    engine = Engine(max_loras=1, num_blocks=3)
+    old = engine.add("a", prompt_len=4, max_tokens=8)
+    engine.step()
+    young = engine.add("a", prompt_len=4, max_tokens=8)
+    engine.step()
+    assert old.adapter_slot == 0 and young.adapter_slot == 0
+    for _ in range(6):  # 3 blocks of 4 tokens cannot hold both as they grow
+        engine.step()
+        if young.num_preemptions:
+            break
+    assert young.num_preemptions == 1
+    assert young.status is SequenceStatus.WAITING and young.adapter_slot == -1
+    engine.finish(old)
+    engine.step()
+    assert young.status is SequenceStatus.RUNNING and young.adapter_slot == 0
+
+
+def test_a_failed_load_names_the_waiting_sequences() -> None:
+    engine = Engine(broken=("c",))
+    seq = engine.add("c")
+    engine.gate.poll()
+    engine.executor.run_all()
+    failures = engine.gate.poll()
+    assert [(seq_id, type(error)) for seq_id, error in failures] == [
+        (seq.seq_id, FailedPreconditionError)
+    ]
+    engine.finish(seq)
+    assert engine.gate.num_held == 0

@@ -121,6 +121,37 @@ def _port(container: dict[str, Any], name: str) -> int | None:
 def test_flags_env_ports_and_grace_match_the_service_config(
     overlay: str, pod: Pod, container: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _check_container(overlay, pod, container, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c["args"].append("--grace=30"), "does not accept"),
+        (
+            lambda c: c["env"].append({"name": "SLUICE_GRACE", "value": "30"}),
+            "reads no SLUICE_GRACE",
+        ),
+        (lambda c: c["ports"][0].update(containerPort=50052), "assert 50052 == 50051"),
+        (lambda c: c["args"].append("--shutdown-grace-s=44"), "killed before its 44.0 s drain"),
+        (lambda c: c["args"].append("--max-queued-requests=lots"), "cannot read 'lots'"),
+    ],
+)
+def test_a_drifted_router_container_fails(
+    change: Any, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import copy
+
+    (pod,) = [p for p in pods("local") if p.owner == "Deployment/sluice-router"]
+    container = copy.deepcopy(pod.spec["containers"][0])
+    change(container)
+    with pytest.raises(Exception, match=re.escape(message)):
+        _check_container("local", pod, container, monkeypatch)
+
+
+def _check_container(
+    overlay: str, pod: Pod, container: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     found = process(container)
     if found is None:  # a Ray worker: its engine actors are configured by the head's driver
         assert "KUBERAY_GEN_RAY_START_CMD" in " ".join(container["args"])

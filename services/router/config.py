@@ -91,6 +91,11 @@ class RouterConfig:
     reconnect_min_backoff_s: float = field(0.1, help="first reconnect delay to a lost service, s")
     reconnect_max_backoff_s: float = field(1.0, help="longest reconnect delay to a lost service, s")
     metrics_port: int | None = field(None, help="serve Prometheus /metrics on this port")
+    http_port: int | None = field(
+        None,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics) on this port of --host; unset or 0: off",
+    )
     log_level: str = field("INFO", help="logging level")
 
     def __post_init__(self) -> None:
@@ -134,6 +139,8 @@ class RouterConfig:
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise InvalidArgumentError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise InvalidArgumentError(f"http_port must be in 0..65535, got {self.http_port}")
 
     @property
     def address(self) -> str:

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import signal
 import sys
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -23,14 +22,13 @@ from grpc_health.v1 import health_pb2
 from protos.sluice.v1 import router_pb2, router_pb2_grpc
 from services.common import event_loop, tracing
 from services.common.config import describe
-from services.common.errors import DeadlineExceededError, SluiceError
+from services.common.errors import SluiceError
 from services.common.grpc_server import RunningServer, start_server
 from services.common.metrics import start_metrics_server
-from services.router import metrics
+from services.router import generation
 from services.router.config import RouterConfig, RouterSettings
-from services.router.convert import response_pb
 from services.router.core import RouterCore
-from services.router.idempotency import ClaimKind, payload_hash, scoped_id
+from services.router.openai_http.app import HttpFront
 from services.router.shared_state import SHARED_STATE_HEALTH, SharedState
 
 log = logging.getLogger("services.router")
@@ -64,97 +62,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _responses(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        cache = self.core.idempotency
-        if cache is None or not request.request_id:
-            async for response in self._generate(request, context):
-                yield response
-            return
-        # A request id is idempotent within its caller: same payload -> the recorded (or
-        # in-flight) stream, never a second generation; another payload -> ALREADY_EXISTS.
-        caller = self.core.auth.check(context.invocation_metadata())
-        scoped = scoped_id(getattr(caller, "key_id", ""), request.request_id)
-        payload = router_pb2.GenerateRequest()
-        payload.CopyFrom(request)
-        payload.request_id = ""
-        claim = await cache.claim(
-            scoped, payload_hash(payload.SerializeToString(deterministic=True))
-        )
-        if claim.kind is not ClaimKind.NEW:
-            async for raw in cache.replay(scoped, timeout_s=context.time_remaining()):
-                yield router_pb2.GenerateResponse.FromString(raw)
-            return
-        finished = False
-        try:
-            async for response in self._generate(request, context):
-                await cache.append(scoped, response.SerializeToString())
-                yield response
-            finished = True
-        finally:
-            with contextlib.suppress(Exception):
-                if finished:
-                    await cache.complete(scoped)
-                else:
-                    await cache.abandon(scoped)
-
-    async def _generate(
-        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        routed = await self.core.admit(
-            request, context.invocation_metadata(), context.time_remaining()
-        )
-        client_id = request.request_id or routed.request_id
-        status = "CANCELLED"
-        last_token_at: float | None = None
-        try:
-            while True:
-                try:
-                    piece = await routed.next_piece(
-                        None if routed.deadline is None else routed.remaining()
-                    )
-                except TimeoutError:
-                    status = "DEADLINE_EXCEEDED"
-                    raise DeadlineExceededError("the deadline passed while generating") from None
-                if piece is None:
-                    status = "OK"
-                    return
-                if piece.token_ids:
-                    now = time.monotonic()
-                    if last_token_at is None:
-                        metrics.ROUTER_TIME_TO_FIRST_TOKEN.observe(now - routed.arrival)
-                    else:
-                        metrics.ROUTER_INTER_TOKEN_LATENCY.observe(
-                            (now - last_token_at) / len(piece.token_ids)
-                        )
-                    last_token_at = now
-                yield response_pb(piece, client_id)
-                if piece.finish_reason:
-                    status = "OK"
-                    metrics.ROUTER_END_TO_END_LATENCY.observe(time.monotonic() - routed.arrival)
-                    return
-        except SluiceError as error:
-            status = error.code
-            raise
-        finally:
-            self.core.release(routed)
-            metrics.ROUTER_FINISHED_REQUESTS.labels(status=status).inc()
+        metadata = context.invocation_metadata()
+        async for response in generation.generate(
+            self.core, request, metadata, context.time_remaining
+        ):
+            yield response
 
     async def ListModels(  # noqa: N802 - gRPC method name
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
-        self.core.auth.check(context.invocation_metadata())
-        response = router_pb2.ListModelsResponse()
-        connections = self.core.pool.ready_connections()
-        if not connections:
-            return response
-        info = connections[0].info
-        model = response.models.add(
-            name=info.model,
-            context_length=min(c.info.max_model_len for c in connections),
-            vocab_size=info.vocab_size,
-        )
-        for name in sorted(self.core.known_adapters()):
-            model.adapters.add(name=name)
-        return response
+        return generation.list_models(self.core, context.invocation_metadata())
 
 
 async def _send_headers(context: grpc.aio.ServicerContext) -> None:
@@ -217,11 +134,15 @@ async def start(
     return core, server
 
 
-async def shutdown(core: RouterCore, server: RunningServer, grace_s: float) -> bool:
+async def shutdown(
+    core: RouterCore, server: RunningServer, grace_s: float, *, front: HttpFront | None = None
+) -> bool:
     """Drain (stop admitting, let in-flight requests finish within `grace_s`), then stop."""
     drained = await core.drain(grace_s)
     if not drained:
         log.warning("grace period over with %d requests still in flight", len(core.active))
+    if front is not None:
+        await front.stop()
     await server.stop(0.5)
     await core.close()
     return drained
@@ -241,9 +162,14 @@ async def serve(settings: RouterSettings, *, stop: asyncio.Event | None = None) 
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signum, stop.set)
     print(f"router listening on {config.host}:{server.port}", flush=True)
+    front = None
+    if config.http_port:
+        front = HttpFront(core)
+        await front.start(config.host, config.http_port)
+        print(f"router OpenAI-compatible HTTP on http://{config.host}:{front.port}/v1", flush=True)
     await stop.wait()
     log.info("shutting down")
-    await shutdown(core, server, config.shutdown_grace_s)
+    await shutdown(core, server, config.shutdown_grace_s, front=front)
     await shared.close()
     return 0
 

@@ -29,7 +29,12 @@ class EngineConfig:
     model: str | None = field(
         None, help="model: None = default SmolLM2-135M, an HF dir, a .gguf file, or dummy:<shape>"
     )
-    backend: str = field("torch", help="attention backend: torch (any device) or cuda (Triton)")
+    backend: str = field(
+        "torch",
+        help="forward backend: torch (any device), cuda (Triton attention), onnxruntime or "
+        "tensorrt (exported ONNX graphs of the batchful layer parts around the engine's "
+        "paged attention; tensorrt needs CUDA)",
+    )
     device: str = field("auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     dtype: str = field(
         "auto",

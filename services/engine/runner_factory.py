@@ -24,6 +24,12 @@ RUNNERS: dict[str, str] = {
     "cpu": "services.engine.cpu_runner:CpuModelRunner",
     "cuda": "services.engine.cuda_runner:CudaModelRunner",
 }
+# forward backend -> "module:class" of its runner, ahead of the device registry: the exported
+# batchful graphs of services/engine/segmented_runner.py on any device.
+FORWARD_BACKEND_RUNNERS: dict[str, str] = {
+    "onnxruntime": "services.engine.segmented_runner:SegmentedModelRunner",
+    "tensorrt": "services.engine.segmented_runner:SegmentedModelRunner",
+}
 
 
 def runner_class(device_type: str) -> type:
@@ -37,6 +43,11 @@ def runner_class(device_type: str) -> type:
 
 
 def create_model_runner(config: EngineConfig, model_files: ModelFiles) -> ModelRunner:
-    """The runner of the config's device, built from the engine config."""
+    """The runner of the config's forward backend or else its device, from the engine config."""
+    target = FORWARD_BACKEND_RUNNERS.get(config.backend)
+    if target is not None:
+        module_name, _, class_name = target.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        return cls.from_engine_config(config, model_files)
     device_type = config.resolved_device().partition(":")[0]
     return runner_class(device_type).from_engine_config(config, model_files)

@@ -66,6 +66,28 @@ class LoRABatch:
             row += count
         return cls(row, tuple(starts), tuple(lengths), tuple(slots))
 
+    def padded_groups(self) -> tuple[list[int], list[int], int]:
+        """Rows by slot for a batched matmul over slots min(slots)..max(slots).
+
+        Returns (rows, padded_index, group_size): row rows[i] goes to position padded_index[i]
+        = (slot - min slot) * group_size + its rank among the slot's rows, group_size being the
+        most rows any slot has.
+        """
+        rows: list[int] = []
+        padded_index: list[int] = []
+        counts: dict[int, int] = {}
+        for length, slot in zip(self.lengths, self.slots, strict=True):
+            counts[slot] = counts.get(slot, 0) + length
+        group_size = max(counts.values(), default=0)
+        low = min(counts, default=0)
+        placed: dict[int, int] = {}
+        for start, length, slot in zip(self.starts, self.lengths, self.slots, strict=True):
+            first = (slot - low) * group_size + placed.get(slot, 0)
+            rows.extend(range(start, start + length))
+            padded_index.extend(range(first, first + length))
+            placed[slot] = placed.get(slot, 0) + length
+        return rows, padded_index, group_size
+
     def kernel_layout(self, num_rows: int, max_groups: int) -> KernelLayout:
         """Rows grouped by slot, padded to `num_rows` indices and `max_groups` groups."""
         if num_rows < self.num_rows:

@@ -14,9 +14,14 @@ import torch
 
 from services.engine.lora.batch import LoRABatch
 from services.engine.lora.slots import LoRASlots
-from services.engine.lora.torch_ops import add_lora
+from services.engine.lora.torch_ops import add_lora, add_lora_grouped
 
 KERNELS = ("torch", "triton")
+# torch: one batched matmul over all slots (add_lora_grouped) instead of a loop over segments
+# when there are at least this many segments and padding every slot to the largest group
+# multiplies the adapter rows by at most GROUPED_MAX_PADDING (decode batches of many adapters).
+GROUPED_MIN_SEGMENTS = 4
+GROUPED_MAX_PADDING = 4
 # The kernels' row layout buffers: one entry per row of the largest step, or per slot.
 LAYOUT_SIZES = {
     "row_indices": "rows",
@@ -41,6 +46,7 @@ class LoRARuntime:
         # Launch the kernels even for a step without adapter rows (set while capturing a CUDA
         # graph, whose replays must contain them); their programs then return at once.
         self.launch_always = False
+        self._grouped: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
         self._layout: dict[str, torch.Tensor] = {}
         self._slice_offsets: dict[str, torch.Tensor] = {}
         self._shrunk = torch.empty(0)
@@ -62,6 +68,7 @@ class LoRARuntime:
         """This step's rows and slots (for triton: written into the fixed layout buffers)."""
         self.batch = batch
         if self.kernels != "triton":
+            self._grouped = self._grouped_layout(batch)
             return
         rows = self._layout["row_indices"].shape[0]
         layout = batch.kernel_layout(rows, self.slots.max_loras)
@@ -77,7 +84,12 @@ class LoRARuntime:
         a, b = slots.a[layer][projection], slots.b[layer][projection]
         if self.kernels == "torch":
             offsets = self._offsets[projection]
-            add_lora(y, x, self.batch, a, b, offsets, slots.ranks[projection])
+            if self._grouped is not None:
+                rows, padded_index, group_size, low, high = self._grouped
+                a, b = a[low:high], b[low:high]  # the slots in use (contiguous views)
+                add_lora_grouped(y, x, rows, padded_index, group_size, a, b, offsets)
+            else:
+                add_lora(y, x, self.batch, a, b, offsets, slots.ranks[projection])
             return
         from services.engine.kernels.triton.lora_expand import lora_expand
         from services.engine.kernels.triton.lora_shrink import lora_shrink
@@ -103,4 +115,23 @@ class LoRARuntime:
             layout["group_lengths"],
             layout["group_slots"],
             widest_slice=max(slots.shapes[projection].slice_sizes),
+        )
+
+    def _grouped_layout(
+        self, batch: LoRABatch
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int, int] | None:
+        """Index tensors and slot range for add_lora_grouped; None where the loop is better."""
+        if len(batch.slots) < GROUPED_MIN_SEGMENTS:
+            return None
+        rows, padded_index, group_size = batch.padded_groups()
+        low, high = min(batch.slots), max(batch.slots) + 1
+        if (high - low) * group_size > GROUPED_MAX_PADDING * len(rows):
+            return None
+        device = self.slots.device
+        return (
+            torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(padded_index, dtype=torch.long, device=device),
+            group_size,
+            low,
+            high,
         )

@@ -1,11 +1,17 @@
-"""Mixed-adapter LoRA in plain PyTorch: `y += (x Aᵀ) Bᵀ` per segment of rows, per slice.
+"""Mixed-adapter LoRA in plain PyTorch: `y += (x Aᵀ) Bᵀ` per adapter's rows, per slice.
 
-The CPU path (and the reference for the GPU kernels). Each segment of a LoRABatch is a run of
-contiguous rows with one slot; its rows are a view of x and y, so nothing is gathered or
-scattered. Per segment: one shrink over all the projection's slices at the adapter's real rank
-(not the padded one), then one expand per slice into that slice's output columns. Rows outside
-every segment (the base model's) and slots that leave the projection alone cost nothing. The
-scale is already in B (services/engine/lora/weights.py).
+The CPU path (and the reference for the GPU kernels). Two ways, same result:
+- `add_lora`, per segment: each segment of a LoRABatch is a run of contiguous rows with one
+  slot, a view of x and y (nothing gathered); one shrink over all the projection's slices at
+  the adapter's real rank, then one expand per slice into that slice's output columns. Best
+  for few, long segments (prefill, or one adapter for the whole batch).
+- `add_lora_grouped`, all slots at once: the adapter rows are scattered into a zero-padded
+  [slots, group, in] block and multiplied by the stacked slot buffers in one batched matmul per
+  step of the math, then added back by row index. A decode batch of many adapters costs a
+  fixed handful of ops instead of a few per segment (on CPU the op count, not the arithmetic,
+  dominates a small LoRA).
+Rows outside every segment (the base model's) are never written. The scale is already in B
+(services/engine/lora/weights.py).
 """
 
 from __future__ import annotations
@@ -48,3 +54,35 @@ def add_lora(
                 y_rows.addmm_(shrunk[0], expand.t())
             else:
                 y_rows[:, low:high] += shrunk[index] @ expand.t()
+
+
+def add_lora_grouped(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    padded_index: torch.Tensor,
+    group_size: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slice_offsets: Sequence[int],
+) -> None:
+    """In place, as add_lora, with rows grouped by slot (LoRABatch.padded_groups as tensors).
+
+    a must be contiguous ([S, slices, R, in] viewed as [S, slices * R, in]); the rank-padding
+    zeros of each slot add nothing.
+    """
+    num_slots, num_slices, rank, in_features = a.shape
+    padded = x.new_zeros(num_slots * group_size, in_features)
+    padded.index_copy_(0, padded_index, x.index_select(0, rows))
+    shrunk = torch.bmm(
+        padded.view(num_slots, group_size, in_features),
+        a.view(num_slots, num_slices * rank, in_features).transpose(1, 2),
+    )
+    for index in range(num_slices):
+        low, high = slice_offsets[index], slice_offsets[index + 1]
+        expanded = torch.bmm(
+            shrunk[:, :, index * rank : (index + 1) * rank], b[:, low:high].transpose(1, 2)
+        )
+        delta = expanded.view(num_slots * group_size, high - low).index_select(0, padded_index)
+        target = y if num_slices == 1 else y[:, low:high]
+        target.index_add_(0, rows, delta)

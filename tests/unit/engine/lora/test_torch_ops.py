@@ -1,4 +1,4 @@
-"""The per-segment torch math against a plain per-row loop, through the slot buffers."""
+"""The torch math (segment loop and slot-grouped) against a plain per-row loop, via the slots."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import torch
 
 from services.engine.lora.batch import LoRABatch
 from services.engine.lora.projections import PROJECTIONS
+from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
-from services.engine.lora.torch_ops import add_lora
+from services.engine.lora.torch_ops import add_lora, add_lora_grouped
 from services.engine.lora.weights import AdapterWeights, ProjectionWeights
 from tests.unit.engine.lora.helpers import tiny_model_config
 
@@ -51,8 +52,9 @@ def per_row_reference(
 SLOTS = LoRASlots(CONFIG, max_loras=3, max_rank=8, dtype=torch.float32, device="cpu")
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("projection", PROJECTIONS)
-def test_mixed_segments_match_the_per_row_loop(projection: str) -> None:
+def test_mixed_segments_match_the_per_row_loop(projection: str, grouped: bool) -> None:
     weights = {
         0: random_weights("r8-all", 8, PROJECTIONS, 1, SLOTS),
         1: random_weights("r2-attn", 2, ("qkv_proj", "o_proj"), 2, SLOTS),
@@ -65,17 +67,25 @@ def test_mixed_segments_match_the_per_row_loop(projection: str) -> None:
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(len(row_slots), shape.in_features, generator=generator)
     base = torch.randn(len(row_slots), shape.out_features, generator=generator)
+    batch = LoRABatch.from_row_slots(row_slots)
+    rows, padded_index, group_size = batch.padded_groups()
+    low = min(batch.slots)
     for layer in range(CONFIG.num_layers):
         y = base.clone()
-        add_lora(
-            y,
-            x,
-            LoRABatch.from_row_slots(row_slots),
-            SLOTS.a[layer][projection],
-            SLOTS.b[layer][projection],
-            shape.slice_offsets,
-            SLOTS.ranks[projection],
-        )
+        a, b = SLOTS.a[layer][projection], SLOTS.b[layer][projection]
+        if grouped:
+            add_lora_grouped(
+                y,
+                x,
+                torch.tensor(rows),
+                torch.tensor(padded_index),
+                group_size,
+                a[low:],
+                b[low:],
+                shape.slice_offsets,
+            )
+        else:
+            add_lora(y, x, batch, a, b, shape.slice_offsets, SLOTS.ranks[projection])
         expected = base.double() + per_row_reference(x, row_slots, weights, layer, projection)
         torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-5)
         base_rows = [row for row, slot in enumerate(row_slots) if slot < 0]
@@ -98,3 +108,29 @@ def test_rewriting_a_slot_leaves_nothing_of_the_previous_adapter() -> None:
         slots.write(0, random_weights("big", 9, ("o_proj",), 3, slots))
     with pytest.raises(IndexError):
         slots.write(1, small)
+
+
+@pytest.mark.parametrize(
+    "row_slots",
+    [
+        [0, 1, 2, 0, 1, 2, -1, 2],  # decode of several adapters: one batched matmul
+        [2] * 5 + [-1] * 3 + [1] * 6,  # prefill-like runs: the segment loop
+    ],
+)
+def test_the_runtime_gives_the_same_result_either_way(row_slots: list[int]) -> None:
+    weights = {
+        slot: random_weights(f"a{slot}", rank, PROJECTIONS, slot, SLOTS)
+        for slot, rank in ((0, 3), (1, 8), (2, 5))
+    }
+    for slot, adapter in weights.items():
+        SLOTS.write(slot, adapter)
+    runtime = LoRARuntime(SLOTS)
+    runtime.set_batch(LoRABatch.from_row_slots(row_slots))
+    generator = torch.Generator().manual_seed(11)
+    for projection in PROJECTIONS:
+        shape = SLOTS.shapes[projection]
+        x = torch.randn(len(row_slots), shape.in_features, generator=generator)
+        y = torch.zeros(len(row_slots), shape.out_features)
+        runtime.apply(1, projection, x, y)
+        expected = per_row_reference(x, row_slots, weights, 1, projection)
+        torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-5)

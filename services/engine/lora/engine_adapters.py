@@ -1,0 +1,123 @@
+"""EngineAdapters: the LoRA parts of one engine, built together from its config and model.
+
+One object for the engine to hold: the slot buffers on the model's device, the runtime the
+model's projections call, the manager (host cache, slots, background loads from disk) and the
+gate the scheduler asks. The engine's calls, in order of a request's life:
+
+- `inspect(name, path)` on the admin path, off the step thread (reads and validates the files),
+  then `register(record)` on the step thread; `unregister(name)`.
+- `gate.hold(seq)` at add_request (NOT_FOUND for an unknown name), `gate.poll()` once per
+  step (sequences whose adapter failed to load come back with the error to finish them with),
+  `Scheduler(..., adapter_slots=gate)` admits and releases, `gate.drop(seq)` when it ends.
+- `begin_step(batch)` before each forward (which rows use which slot); the model was given the
+  runtime once with `attach(model)` (nn.Module models) or calls `runtime.apply` itself.
+- `resident()` for the load report.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+
+import torch
+from torch import nn
+
+from services.engine.forward_batch import ScheduledBatch
+from services.engine.lora.batch import LoRABatch
+from services.engine.lora.config import LoRAConfig
+from services.engine.lora.gate import AdapterGate
+from services.engine.lora.loader import inspect_adapter, load_registered_adapter
+from services.engine.lora.manager import AdapterManager
+from services.engine.lora.records import AdapterRecord
+from services.engine.lora.runtime import LoRARuntime
+from services.engine.lora.slots import LoRASlots
+from services.engine.lora.weights import AdapterWeights, ProjectionWeights
+from services.engine.lora.wrap import attach_lora
+from services.engine.models.config import ModelConfig
+
+
+class EngineAdapters:
+    """Slots, runtime, manager and gate of one engine's LoRA adapters."""
+
+    def __init__(
+        self,
+        config: LoRAConfig,
+        model_config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kernels: str = "torch",
+        max_rows: int = 0,
+        executor: Executor | None = None,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.slots = LoRASlots(
+            model_config,
+            max_loras=config.max_loras,
+            max_rank=config.max_lora_rank,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.runtime = LoRARuntime(self.slots, kernels=kernels, max_rows=max_rows)
+        self.manager = AdapterManager(
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            load=self._load,
+            write_slot=self.slots.write,
+            executor=executor,
+        )
+        self.gate = AdapterGate(self.manager)
+
+    def inspect(self, name: str, path: str) -> AdapterRecord:
+        """Validate an adapter completely (thread-safe; keep it off the step thread)."""
+        return inspect_adapter(
+            name,
+            path,
+            adapter_root=self.config.adapter_root,
+            model_config=self.model_config,
+            max_rank=self.config.max_lora_rank,
+        )
+
+    def register(self, record: AdapterRecord) -> None:
+        self.manager.register(record)
+
+    def unregister(self, name: str) -> bool:
+        return self.manager.unregister(name)
+
+    def attach(self, model: nn.Module) -> int:
+        """Make an nn.Module Llama's projections add the step's LoRA deltas."""
+        return attach_lora(model, self.runtime)
+
+    def begin_step(self, batch: ScheduledBatch) -> None:
+        """Tell the runtime which rows of this step's flat batch use which slot."""
+        self.runtime.set_batch(LoRABatch.from_scheduled(batch))
+
+    def resident(self) -> tuple[str, ...]:
+        return self.manager.resident()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
+
+    def _load(self, record: AdapterRecord) -> AdapterWeights:
+        """On the loader thread: read, verify and lay out; pinned host memory for a GPU."""
+        weights = load_registered_adapter(
+            record.name,
+            record.path,
+            record.checksum,
+            adapter_root=self.config.adapter_root,
+            model_config=self.model_config,
+            max_rank=self.config.max_lora_rank,
+            dtype=self.dtype,
+        )
+        if self.device.type != "cuda":
+            return weights
+        layers = tuple(
+            {
+                name: ProjectionWeights(factors.a.pin_memory(), factors.b.pin_memory())
+                for name, factors in layer.items()
+            }
+            for layer in weights.layers
+        )
+        return AdapterWeights(weights.name, weights.checksum, weights.rank, weights.modules, layers)

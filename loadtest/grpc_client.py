@@ -19,6 +19,7 @@ import grpc
 from loadtest.datasets import RequestSpec
 from loadtest.records import RequestRecord
 from protos.sluice.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.grpc_channel import ROUTER_CLIENT_OPTIONS
 
 _CONNECT_TIMEOUT_S = 5.0
 _FINISH_NAMES = {
@@ -54,7 +55,9 @@ class GrpcClient:
 
     async def start(self) -> None:
         """Open the channels (inside the event loop that will use them)."""
-        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        # Sluice's client options: a short reconnect backoff and retries of calls refused
+        # before the router answered (services/common/grpc_channel.py), as SluiceClient has.
+        options = list(ROUTER_CLIENT_OPTIONS)
         for _ in range(self._channel_count):
             # A local subchannel pool gives each channel its own connection.
             channel_options = [*options, ("grpc.use_local_subchannel_pool", 1)]

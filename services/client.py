@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from protos.sluice.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.grpc_channel import CHANNEL_OPTIONS
+from services.common.grpc_channel import ROUTER_CLIENT_OPTIONS
 
 ChatInput = Iterable[Mapping[str, str] | tuple[str, str]]
 _REPEATED_PARAMS = ("stop", "stop_token_ids")
@@ -117,7 +117,7 @@ class SluiceClient:
         api_key: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(target, options=ROUTER_CLIENT_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._api_key = api_key
         self._timeout_s = timeout_s
@@ -176,7 +176,7 @@ class AsyncSluiceClient:
         api_key: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(target, options=ROUTER_CLIENT_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._api_key = api_key
         self._timeout_s = timeout_s

@@ -11,6 +11,7 @@ switched on (services/common/tracing/).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -31,3 +32,28 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 def open_channel(address: str) -> Any:
     """An insecure grpc.aio channel with CHANNEL_OPTIONS, traced when tracing is on."""
     return tracing.traced_channel(grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+
+
+# Clients of the public Router service also retry a call that fails UNAVAILABLE before the
+# router has answered anything (its process restarting, a connection refused): the call never
+# started generating, so a retry is safe. Once the response headers arrive the call is
+# committed and never retried; the router sends them as soon as it accepts the call.
+_ROUTER_RETRY = {
+    "methodConfig": [
+        {
+            "name": [{"service": "sluice.v1.Router"}],
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.2s",
+                "maxBackoff": "1s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ]
+}
+ROUTER_CLIENT_OPTIONS: tuple[tuple[str, int | str], ...] = (
+    *CHANNEL_OPTIONS,
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(_ROUTER_RETRY)),
+)

@@ -70,6 +70,11 @@ class RouterConfig:
         600.0, help="seconds a finished request's result is kept for a retry with its request_id"
     )
     tokenize_timeout_s: float = field(10.0, help="seconds tokenizing a prompt may take")
+    ready_wait_s: float = field(
+        10.0,
+        help="seconds a new request waits for a ready tokenizer and engine (one restarting) "
+        "before UNAVAILABLE; 0 fails at once",
+    )
     stream_interval: int = field(
         0,
         help="tokens a streamed response gathers before it is sent (the first token and the "
@@ -125,7 +130,7 @@ class RouterConfig:
                 raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}")
         if self.max_inflight_per_engine < 0:
             raise InvalidArgumentError("max_inflight_per_engine must be >= 0")
-        for name in ("retry_after_s", "shutdown_grace_s", "tokenize_timeout_s"):
+        for name in ("retry_after_s", "shutdown_grace_s", "tokenize_timeout_s", "ready_wait_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value}")

@@ -10,6 +10,7 @@ one asyncio loop; nothing here blocks. The servicer (server.py) only converts an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -101,6 +102,7 @@ class RouterCore:
         self.draining = False
         self.on_readiness: Callable[[bool], None] | None = None
         self._serving = False
+        self._opened = asyncio.Event()  # set while serving: admission waits on it
         self._ids = itertools.count(1)
         self._id_prefix = f"{int(time.time() * 1000) % 10**8:x}-"
         self._dispatch_scheduled = False
@@ -176,7 +178,7 @@ class RouterCore:
         arrival = time.monotonic()
         request_id = f"{self._id_prefix}{next(self._ids)}"
         caller = self.auth.check(metadata)
-        self._check_open()
+        await self._wait_until_open(None if time_remaining is None else arrival + time_remaining)
         params = (
             sampling_params_from_pb(message.params)
             if message.HasField("params")
@@ -231,6 +233,26 @@ class RouterCore:
         self._update_queue_gauges()
         self.schedule_dispatch()
         return request
+
+    async def _wait_until_open(self, deadline: float | None) -> None:
+        """Wait (up to `ready_wait_s` and the deadline) for a ready tokenizer and engine.
+
+        A restarting tokenizer or engine is back within seconds: a request that arrives
+        meanwhile waits for it instead of failing, so only the requests that were on the lost
+        process fail. Draining, or no peer within the wait: UNAVAILABLE."""
+        if self.serving or self.draining:
+            self._check_open()
+            return
+        limit = time.monotonic() + self.config.ready_wait_s
+        if deadline is not None:
+            limit = min(limit, deadline)
+        while not self.serving and not self.draining:
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._opened.wait(), remaining)
+        self._check_open()
 
     def _check_open(self) -> None:
         if self.draining:
@@ -348,6 +370,10 @@ class RouterCore:
 
     def _readiness_changed(self) -> None:
         serving = self.serving
+        if serving:
+            self._opened.set()
+        else:
+            self._opened.clear()
         if serving != self._serving:
             self._serving = serving
             log.info("router %s", "SERVING" if serving else "NOT_SERVING")

@@ -94,6 +94,8 @@ class LoRARuntime:
         from services.engine.kernels.triton.lora_expand import lora_expand
         from services.engine.kernels.triton.lora_shrink import lora_shrink
 
+        if x.shape[0] > self._shrunk.shape[0]:
+            raise ValueError(f"{x.shape[0]} rows, more than max_rows {self._shrunk.shape[0]}")
         layout = self._layout
         shrunk = self._shrunk[: x.shape[0]]
         lora_shrink(

@@ -13,6 +13,9 @@ redis-server for `--redis-stop-s`. For each it reports
   fail, with UNAVAILABLE);
 - `recovered_after_s`: from the fault to the send time of the first request from which on every
   request succeeded (0 when nothing sent after the fault failed);
+- `served_again_after_s`: from the fault to the first token of the first request sent after it
+  that succeeded (the router holds new requests while a peer restarts, so this is how long new
+  requests waited);
 - that no state was lost: the key made before still authenticates afterwards, and every engine's
   KV blocks are all free again once the load has drained.
 The stack's supervisor (services/supervisor.py) runs in a thread here, as `sluice up` runs it.
@@ -58,6 +61,7 @@ class FaultRun:
     failed: int
     failed_by_status: dict[str, int]
     recovered_after_s: float | None  # None: failures never stopped before the phase ended
+    served_again_after_s: float | None  # first token of a request sent after the fault
     key_still_valid: bool
     kv_idle_after: bool
     supervisor_restarts: int
@@ -192,6 +196,17 @@ def recovered_after_s(records: list[RequestRecord], fault_s: float) -> float | N
     return after[failed[-1] + 1].sent_s - fault_s
 
 
+def served_again_after_s(records: list[RequestRecord], fault_s: float) -> float | None:
+    """From the fault to the first token of the first request sent after it that succeeded:
+    how long the service was out for new requests (held requests count once served)."""
+    served = [
+        r.chunk_times_s[0]
+        for r in records
+        if r.sent_s is not None and r.sent_s >= fault_s and r.status == "OK" and r.chunk_times_s
+    ]
+    return min(served) - fault_s if served else None
+
+
 def run_phase(stack: Stack, key: str, fault: str, args: argparse.Namespace) -> FaultRun:
     times = arrival_times("constant", args.rate, duration_s=args.phase_s)
     options = DatasetOptions(
@@ -225,6 +240,7 @@ def run_phase(stack: Stack, key: str, fault: str, args: argparse.Namespace) -> F
         failed=len(failed),
         failed_by_status=dict(Counter(r.status for r in failed)),
         recovered_after_s=recovered_after_s(records, fault_s),
+        served_again_after_s=served_again_after_s(records, fault_s),
         key_still_valid=key_works(stack.router_address, key, wait_s=0),
         kv_idle_after=kv_idle(stack),
         supervisor_restarts=0,
@@ -287,12 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         "stack_stopped_itself": bool(errors),
         "faults": [run.to_json() for run in runs],
     }
-    header = ("fault", "requests", "failed", "recovered s", "key ok", "kv idle")
-    print("{:<12} {:>8} {:>6} {:>11} {:>6} {:>7}".format(*header))
+    header = ("fault", "requests", "failed", "recovered s", "served again s", "key ok", "kv idle")
+    print("{:<12} {:>8} {:>6} {:>11} {:>14} {:>6} {:>7}".format(*header))
     for run_ in runs:
         recovered = "never" if run_.recovered_after_s is None else f"{run_.recovered_after_s:.2f}"
+        served = (
+            "never" if run_.served_again_after_s is None else f"{run_.served_again_after_s:.2f}"
+        )
         print(
-            f"{run_.fault:<12} {run_.requests:>8} {run_.failed:>6} {recovered:>11} "
+            f"{run_.fault:<12} {run_.requests:>8} {run_.failed:>6} {recovered:>11} {served:>14} "
             f"{str(run_.key_still_valid):>6} {str(run_.kv_idle_after):>7}"
         )
     if args.out:

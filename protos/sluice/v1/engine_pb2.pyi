@@ -7,19 +7,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class InspectAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "adapter", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "adapter", "priority", "adapter_spec")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SPEC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     adapter: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    adapter_spec: _common_pb2.AdapterSpec
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ..., adapter_spec: _Optional[_Union[_common_pb2.AdapterSpec, _Mapping]] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
     __slots__ = ("submits", "aborts")
@@ -30,18 +40,22 @@ class EngineRequest(_message.Message):
     def __init__(self, submits: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ..., aborts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters")
+    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters", "lora_slots", "loading_adapters")
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     free_blocks: int
     total_blocks: int
     running: int
     waiting: int
     resident_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_slots: int
+    loading_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., loading_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "usage")
@@ -78,7 +92,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos_token_ids", "engine_id", "backend", "device", "dtype", "load")
+    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos_token_ids", "engine_id", "backend", "device", "dtype", "load", "max_loras", "max_lora_rank")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +106,8 @@ class EngineInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -105,4 +121,6 @@ class EngineInfo(_message.Message):
     device: str
     dtype: str
     load: EngineLoad
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.sluice.v1 import common_pb2 as protos_dot_sluice_dot_v1_dot_common__pb2
 from protos.sluice.v1 import engine_pb2 as protos_dot_sluice_dot_v1_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.78.0'
@@ -45,6 +46,11 @@ class EngineStub(object):
                 request_serializer=protos_dot_sluice_dot_v1_dot_engine__pb2.EngineInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_sluice_dot_v1_dot_engine__pb2.EngineInfo.FromString,
                 _registered_method=True)
+        self.InspectAdapter = channel.unary_unary(
+                '/sluice.v1.Engine/InspectAdapter',
+                request_serializer=protos_dot_sluice_dot_v1_dot_engine__pb2.InspectAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_sluice_dot_v1_dot_common__pb2.AdapterSpec.FromString,
+                _registered_method=True)
 
 
 class EngineServicer(object):
@@ -66,6 +72,15 @@ class EngineServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InspectAdapter(self, request, context):
+        """Checks an adapter directory under the engine's --adapter-root against the served model
+        (PEFT format, target modules, rank, shapes) and describes it; INVALID_ARGUMENT with the
+        reason when the engine cannot serve it. Loads nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +93,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protos_dot_sluice_dot_v1_dot_engine__pb2.EngineInfoRequest.FromString,
                     response_serializer=protos_dot_sluice_dot_v1_dot_engine__pb2.EngineInfo.SerializeToString,
+            ),
+            'InspectAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.InspectAdapter,
+                    request_deserializer=protos_dot_sluice_dot_v1_dot_engine__pb2.InspectAdapterRequest.FromString,
+                    response_serializer=protos_dot_sluice_dot_v1_dot_common__pb2.AdapterSpec.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +155,33 @@ class Engine(object):
             '/sluice.v1.Engine/Info',
             protos_dot_sluice_dot_v1_dot_engine__pb2.EngineInfoRequest.SerializeToString,
             protos_dot_sluice_dot_v1_dot_engine__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InspectAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Engine/InspectAdapter',
+            protos_dot_sluice_dot_v1_dot_engine__pb2.InspectAdapterRequest.SerializeToString,
+            protos_dot_sluice_dot_v1_dot_common__pb2.AdapterSpec.FromString,
             options,
             channel_credentials,
             insecure,

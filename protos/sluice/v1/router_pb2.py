@@ -25,25 +25,33 @@ _sym_db = _symbol_database.Default()
 from protos.sluice.v1 import common_pb2 as protos_dot_sluice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/sluice/v1/router.proto\x12\tsluice.v1\x1a\x1dprotos/sluice/v1/common.proto\"\xe8\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"\xd9\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.sluice.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"\x13\n\x11ListModelsRequest\")\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\"o\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12(\n\x08\x61\x64\x61pters\x18\x04 \x03(\x0b\x32\x16.sluice.v1.AdapterInfo\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.sluice.v1.ModelInfo2\x9a\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.sluice.v1.ListModelsRequest\x1a\x1d.sluice.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/sluice/v1/router.proto\x12\tsluice.v1\x1a\x1dprotos/sluice/v1/common.proto\"/\n\x11\x41\x64\x64\x41\x64\x61pterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x15\n\x13ListAdaptersRequest\"@\n\x14ListAdaptersResponse\x12(\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x16.sluice.v1.AdapterInfo\"$\n\x14RemoveAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xe8\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"\xd9\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.sluice.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\"\x13\n\x11ListModelsRequest\"t\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x13\n\x0bresident_on\x18\x06 \x03(\t\"o\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12(\n\x08\x61\x64\x61pters\x18\x04 \x03(\x0b\x32\x16.sluice.v1.AdapterInfo\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.sluice.v1.ModelInfo2\xf9\x02\n\x06Router\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.sluice.v1.ListModelsRequest\x1a\x1d.sluice.v1.ListModelsResponse\x12\x42\n\nAddAdapter\x12\x1c.sluice.v1.AddAdapterRequest\x1a\x16.sluice.v1.AdapterInfo\x12O\n\x0cListAdapters\x12\x1e.sluice.v1.ListAdaptersRequest\x1a\x1f.sluice.v1.ListAdaptersResponse\x12H\n\rRemoveAdapter\x12\x1f.sluice.v1.RemoveAdapterRequest\x1a\x16.sluice.v1.AdapterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.sluice.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=76
-  _globals['_GENERATEREQUEST']._serialized_end=308
-  _globals['_GENERATERESPONSE']._serialized_start=311
-  _globals['_GENERATERESPONSE']._serialized_end=528
-  _globals['_LISTMODELSREQUEST']._serialized_start=530
-  _globals['_LISTMODELSREQUEST']._serialized_end=549
-  _globals['_ADAPTERINFO']._serialized_start=551
-  _globals['_ADAPTERINFO']._serialized_end=592
-  _globals['_MODELINFO']._serialized_start=594
-  _globals['_MODELINFO']._serialized_end=705
-  _globals['_LISTMODELSRESPONSE']._serialized_start=707
-  _globals['_LISTMODELSRESPONSE']._serialized_end=765
-  _globals['_ROUTER']._serialized_start=768
-  _globals['_ROUTER']._serialized_end=922
+  _globals['_ADDADAPTERREQUEST']._serialized_start=75
+  _globals['_ADDADAPTERREQUEST']._serialized_end=122
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=124
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=145
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=147
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=211
+  _globals['_REMOVEADAPTERREQUEST']._serialized_start=213
+  _globals['_REMOVEADAPTERREQUEST']._serialized_end=249
+  _globals['_GENERATEREQUEST']._serialized_start=252
+  _globals['_GENERATEREQUEST']._serialized_end=484
+  _globals['_GENERATERESPONSE']._serialized_start=487
+  _globals['_GENERATERESPONSE']._serialized_end=704
+  _globals['_LISTMODELSREQUEST']._serialized_start=706
+  _globals['_LISTMODELSREQUEST']._serialized_end=725
+  _globals['_ADAPTERINFO']._serialized_start=727
+  _globals['_ADAPTERINFO']._serialized_end=843
+  _globals['_MODELINFO']._serialized_start=845
+  _globals['_MODELINFO']._serialized_end=956
+  _globals['_LISTMODELSRESPONSE']._serialized_start=958
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1016
+  _globals['_ROUTER']._serialized_start=1019
+  _globals['_ROUTER']._serialized_end=1396
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AddAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class RemoveAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "chat", "prompt_token_ids", "params", "adapter", "request_id", "priority")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -48,12 +72,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "rank")
+    __slots__ = ("name", "rank", "path", "sha256", "target_modules", "resident_on")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ON_FIELD_NUMBER: _ClassVar[int]
     name: str
     rank: int
-    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    path: str
+    sha256: str
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    resident_on: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., target_modules: _Optional[_Iterable[str]] = ..., resident_on: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "context_length", "vocab_size", "adapters")

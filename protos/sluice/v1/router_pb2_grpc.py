@@ -45,6 +45,21 @@ class RouterStub(object):
                 request_serializer=protos_dot_sluice_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=protos_dot_sluice_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.AddAdapter = channel.unary_unary(
+                '/sluice.v1.Router/AddAdapter',
+                request_serializer=protos_dot_sluice_dot_v1_dot_router__pb2.AddAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_sluice_dot_v1_dot_router__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/sluice.v1.Router/ListAdapters',
+                request_serializer=protos_dot_sluice_dot_v1_dot_router__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_sluice_dot_v1_dot_router__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.RemoveAdapter = channel.unary_unary(
+                '/sluice.v1.Router/RemoveAdapter',
+                request_serializer=protos_dot_sluice_dot_v1_dot_router__pb2.RemoveAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_sluice_dot_v1_dot_router__pb2.AdapterInfo.FromString,
+                _registered_method=True)
 
 
 class RouterServicer(object):
@@ -65,6 +80,29 @@ class RouterServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddAdapter(self, request, context):
+        """Registers a LoRA adapter by name (admin; API key required when keys are on). An engine
+        checks it first; INVALID_ARGUMENT with the reason when it cannot be served,
+        ALREADY_EXISTS when the name is taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The registered adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveAdapter(self, request, context):
+        """Unregisters an adapter (requests already admitted finish); NOT_FOUND when unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +115,21 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=protos_dot_sluice_dot_v1_dot_router__pb2.ListModelsRequest.FromString,
                     response_serializer=protos_dot_sluice_dot_v1_dot_router__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'AddAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddAdapter,
+                    request_deserializer=protos_dot_sluice_dot_v1_dot_router__pb2.AddAdapterRequest.FromString,
+                    response_serializer=protos_dot_sluice_dot_v1_dot_router__pb2.AdapterInfo.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=protos_dot_sluice_dot_v1_dot_router__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=protos_dot_sluice_dot_v1_dot_router__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'RemoveAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveAdapter,
+                    request_deserializer=protos_dot_sluice_dot_v1_dot_router__pb2.RemoveAdapterRequest.FromString,
+                    response_serializer=protos_dot_sluice_dot_v1_dot_router__pb2.AdapterInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +187,87 @@ class Router(object):
             '/sluice.v1.Router/ListModels',
             protos_dot_sluice_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
             protos_dot_sluice_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Router/AddAdapter',
+            protos_dot_sluice_dot_v1_dot_router__pb2.AddAdapterRequest.SerializeToString,
+            protos_dot_sluice_dot_v1_dot_router__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Router/ListAdapters',
+            protos_dot_sluice_dot_v1_dot_router__pb2.ListAdaptersRequest.SerializeToString,
+            protos_dot_sluice_dot_v1_dot_router__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Router/RemoveAdapter',
+            protos_dot_sluice_dot_v1_dot_router__pb2.RemoveAdapterRequest.SerializeToString,
+            protos_dot_sluice_dot_v1_dot_router__pb2.AdapterInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,7 @@ callback, called on this thread (the server forwards it with `loop.call_soon_thr
   step is CPU work that shares the cores with every gRPC thread on the machine (this engine's
   stream, the router, the tokenizer); as an idle thread it takes only what they leave, and a
   thread that wakes for a message preempts it at once instead of waiting out its time slice.
-- `step_hook`, when given (tracing, services/common/tracing/step_hook.py), is called after each
+- `step_hook`, when given (tracing, services/common/tracing/step_spans.py), is called after each
   turn that ran a step, with the turn's start and end (`time.time_ns()`), the step's index, the
   requests the turn took in and the tokens computed; without one a turn pays nothing for it.
 - An exception inside `step()` fails the requests that were live (ERROR with the message), aborts

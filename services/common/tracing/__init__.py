@@ -121,6 +121,6 @@ def step_hook() -> Any:
     or when no hop spans are written."""
     if _runtime is None or not _runtime.hops:
         return None
-    from services.common.tracing.step_hook import StepSpans
+    from services.common.tracing.step_spans import StepSpans
 
     return StepSpans(_runtime)

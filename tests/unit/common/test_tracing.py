@@ -108,6 +108,10 @@ def _by_name(exporter: InMemorySpanExporter) -> dict[str, list]:
 
 
 def test_off_by_default_nothing_is_wrapped() -> None:
+    import importlib
+
+    for module in ("grpc_edges", "jsonl", "runtime", "step_spans"):  # no name shadows the API
+        importlib.import_module(f"services.common.tracing.{module}")
     config = tracing.TracingConfig()
     assert not config.enabled
     tracing.configure(config, "sluice-test")

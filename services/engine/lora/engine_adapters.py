@@ -51,13 +51,15 @@ class EngineAdapters:
     ) -> None:
         self.config = config
         self.model_config = model_config
-        self.dtype = dtype
         self.device = torch.device(device)
+        # CPU: float32 slots whatever the model's dtype (services/engine/lora/torch_ops.py);
+        # a GPU's kernels take the model's dtype.
+        self.dtype = torch.float32 if self.device.type == "cpu" else dtype
         self.slots = LoRASlots(
             model_config,
             max_loras=config.max_loras,
             max_rank=config.max_lora_rank,
-            dtype=dtype,
+            dtype=self.dtype,
             device=self.device,
         )
         self.runtime = LoRARuntime(self.slots, kernels=kernels, max_rows=max_rows)

@@ -11,7 +11,9 @@ The CPU path (and the reference for the GPU kernels). Two ways, same result:
   fixed handful of ops instead of a few per segment (on CPU the op count, not the arithmetic,
   dominates a small LoRA).
 Rows outside every segment (the base model's) are never written. The scale is already in B
-(services/engine/lora/weights.py).
+(services/engine/lora/weights.py). The math runs in the slot buffers' dtype: on CPU they are
+float32 even for a bfloat16 model (PyTorch's small bfloat16 matmuls on CPU are several times
+slower than float32 ones), and each delta is rounded once when added to y.
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ def add_lora(
         if rank == 0:
             continue
         rows = slice(start, start + length)
-        x_rows = x[rows]
+        x_rows = x[rows].to(a.dtype)
         # [slices, rows, rank]: every slice's shrink in one batched matmul.
         shrunk = torch.matmul(x_rows, a[slot, :, :rank].transpose(1, 2))
         y_rows = y[rows]
         for index in range(num_slices):
             low, high = slice_offsets[index], slice_offsets[index + 1]
             expand = b[slot, low:high, :rank]
-            if num_slices == 1:
+            if num_slices == 1 and y.dtype == b.dtype:
                 y_rows.addmm_(shrunk[0], expand.t())
             else:
                 y_rows[:, low:high] += shrunk[index] @ expand.t()
@@ -72,8 +74,8 @@ def add_lora_grouped(
     zeros of each slot add nothing.
     """
     num_slots, num_slices, rank, in_features = a.shape
-    padded = x.new_zeros(num_slots * group_size, in_features)
-    padded.index_copy_(0, padded_index, x.index_select(0, rows))
+    padded = a.new_zeros(num_slots * group_size, in_features)
+    padded.index_copy_(0, padded_index, x.index_select(0, rows).to(a.dtype))
     shrunk = torch.bmm(
         padded.view(num_slots, group_size, in_features),
         a.view(num_slots, num_slices * rank, in_features).transpose(1, 2),
@@ -85,4 +87,4 @@ def add_lora_grouped(
         )
         delta = expanded.view(num_slots * group_size, high - low).index_select(0, padded_index)
         target = y if num_slices == 1 else y[:, low:high]
-        target.index_add_(0, rows, delta)
+        target.index_add_(0, rows, delta.to(y.dtype))

@@ -134,3 +134,31 @@ def test_the_runtime_gives_the_same_result_either_way(row_slots: list[int]) -> N
         runtime.apply(1, projection, x, y)
         expected = per_row_reference(x, row_slots, weights, 1, projection)
         torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("row_slots", [[0, 1, 2, 0, 1, 2, -1, 2], [2] * 5 + [-1] * 3 + [1] * 6])
+def test_a_bfloat16_model_with_float32_slots_rounds_only_at_the_end(row_slots: list[int]) -> None:
+    weights = {
+        slot: random_weights(f"a{slot}", rank, PROJECTIONS, slot, SLOTS)
+        for slot, rank in ((0, 3), (1, 8), (2, 5))
+    }
+    for slot, adapter in weights.items():
+        SLOTS.write(slot, adapter)
+    runtime = LoRARuntime(SLOTS)
+    runtime.set_batch(LoRABatch.from_row_slots(row_slots))
+    generator = torch.Generator().manual_seed(12)
+    for projection in PROJECTIONS:
+        shape = SLOTS.shapes[projection]
+        x = torch.randn(len(row_slots), shape.in_features, generator=generator).bfloat16()
+        base = torch.randn(len(row_slots), shape.out_features, generator=generator).bfloat16()
+        y = base.clone()
+        runtime.apply(0, projection, x, y)
+        assert y.dtype == torch.bfloat16
+        delta = per_row_reference(x.float(), row_slots, weights, 0, projection)
+        expected = base.double() + delta
+        # The delta is computed in float32; at most it and the sum are each rounded to bfloat16
+        # once (half a unit in the last place each: at most 2^-8 of the value).
+        bound = (expected.abs() + delta.abs()) * 2**-8 + 1e-6
+        assert ((y.double() - expected).abs() <= bound).all()
+        base_rows = [row for row, slot in enumerate(row_slots) if slot < 0]
+        assert torch.equal(y[base_rows], base[base_rows])

@@ -150,6 +150,12 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         "while one is down (default: %(default)s)",
     )
     up.add_argument("--api-keys-file", help="router: file with one API key per line")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        help="router: serve the OpenAI-compatible HTTP API (/v1/...) on this port of --host "
+        "(default: off)",
+    )
     up.add_argument("--max-queued-requests", type=int, help="router: queue bound (requests)")
     up.add_argument("--max-queued-tokens", type=int, help="router: queue bound (prompt tokens)")
     up.add_argument("--kv-cache-bytes", type=int, help="engines: bytes of KV cache each")
@@ -191,7 +197,7 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
     from services.supervisor import RestartPolicy
 
     router_args = _flag_pairs(
-        namespace, ("api_keys_file", "max_queued_requests", "max_queued_tokens")
+        namespace, ("api_keys_file", "max_queued_requests", "max_queued_tokens", "http_port")
     )
     engine_args = _flag_pairs(namespace, ("kv_cache_bytes", "max_num_seqs", "device", "backend"))
     try:
@@ -232,6 +238,9 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
     except KeyboardInterrupt:
         return 130
     print(f"Sluice router ready at {stack.router_address}", flush=True)
+    if namespace.http_port:
+        url = f"http://{namespace.host}:{namespace.http_port}/v1"
+        print(f"OpenAI-compatible HTTP at {url}", flush=True)
     return stack.run_until_signal(lambda line: print(line, file=sys.stderr, flush=True))
 
 

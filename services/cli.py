@@ -119,7 +119,8 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--engines",
         type=int,
-        help="engine workers (default: with Ray one per GPU it sees, else 1; --no-ray: 1)",
+        help="engine workers (default: one per GPU, each pinned to its own, as Ray actors or "
+        "with --no-ray as processes with their own CUDA_VISIBLE_DEVICES; 1 on CPU)",
     )
     up.add_argument(
         "--metrics-port",
@@ -193,7 +194,8 @@ def _flag_pairs(namespace: argparse.Namespace, names: Sequence[str]) -> list[str
 def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> int:
     from services.common.env import cache_dir
     from services.common.errors import SluiceError
-    from services.launcher import Stack, StackConfig
+    from services.common.gpus import visible_gpus
+    from services.launcher import Stack, StackConfig, plan_engine_processes
     from services.supervisor import RestartPolicy
 
     router_args = _flag_pairs(
@@ -201,11 +203,17 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
     )
     engine_args = _flag_pairs(namespace, ("kv_cache_bytes", "max_num_seqs", "device", "backend"))
     try:
+        engines, engine_gpus = 1 if namespace.engines is None else namespace.engines, ()
+        if namespace.no_ray:  # Ray places one actor per GPU itself
+            engines, engine_gpus = plan_engine_processes(
+                namespace.engines, namespace.device, visible_gpus()
+            )
         config = StackConfig(
             model=namespace.model,
             host=namespace.host,
             port=namespace.port,
-            engines=1 if namespace.engines is None else namespace.engines,
+            engines=engines,
+            engine_gpus=engine_gpus,
             tokenizers=namespace.tokenizers,
             router_args=(*router_args, *extra_router_args),
             engine_args=(*engine_args, *shlex.split(namespace.engine_args)),

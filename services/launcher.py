@@ -63,6 +63,9 @@ class StackConfig:
     port: int = 50051  # the router's port; 0 picks a free one
     engines: int = 1
     tokenizers: int = 1  # tokenizer processes; the router spreads its requests over them
+    # GPU ids for engine processes: engine i sees only engine_gpus[i] (CUDA_VISIBLE_DEVICES).
+    # Empty: engines see what the launcher sees. Ray pins its actors itself (num_gpus=1).
+    engine_gpus: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     engine_args: tuple[str, ...] = ()
     tokenizer_args: tuple[str, ...] = ()
@@ -88,6 +91,11 @@ class StackConfig:
             raise InvalidArgumentError(f"tokenizers must be an integer, got {self.tokenizers!r}")
         if self.tokenizers < 1:
             raise InvalidArgumentError(f"tokenizers must be >= 1, got {self.tokenizers}")
+        if self.engine_gpus and len(self.engine_gpus) != self.engines:
+            raise InvalidArgumentError(
+                f"{self.engines} engines need {self.engines} GPUs to pin, got "
+                f"{len(self.engine_gpus)} ({', '.join(self.engine_gpus)})"
+            )
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536 - 2 - self.engines:
@@ -106,6 +114,7 @@ class ChildProcess:
     log_path: Path | None = None
     _log_file: IO[bytes] | None = field(default=None, repr=False)
     command: tuple[str, ...] = ()  # what started it: a restart runs the same (same port)
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the launcher's environment
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -118,7 +127,9 @@ class ChildProcess:
         if self.alive():
             raise FailedPreconditionError(f"{self.name} is still running")
         self.close_log()
-        self.process, self._log_file = _popen(self.command, self.log_path, append=True)
+        self.process, self._log_file = _popen(
+            self.command, self.log_path, append=True, env=self.env
+        )
 
     def log_tail(self, max_chars: int = 4000) -> str:
         """The end of the child's log file (empty when it logs to the terminal)."""
@@ -156,8 +167,10 @@ def spawn_service(
     argv: Sequence[str],
     *,
     host: str = LOOPBACK,
+    env: dict[str, str] | None = None,
 ) -> ChildProcess:
-    """Start `sluice serve <service>` on `host:port` as a child process."""
+    """Start `sluice serve <service>` on `host:port` as a child process (`env`: variables set
+    for it on top of this process's environment, e.g. CUDA_VISIBLE_DEVICES)."""
     command = [
         sys.executable,
         "-m",
@@ -175,12 +188,18 @@ def spawn_service(
         config.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = config.log_dir / f"{name}.log"
     log.info("starting %s: %s", name, " ".join(command))
-    process, log_file = _popen(command, log_path)
-    return ChildProcess(name, f"{host}:{port}", process, log_path, log_file, tuple(command))
+    process, log_file = _popen(command, log_path, env=env)
+    return ChildProcess(
+        name, f"{host}:{port}", process, log_path, log_file, tuple(command), dict(env or {})
+    )
 
 
 def _popen(
-    command: Sequence[str], log_path: Path | None, *, append: bool = False
+    command: Sequence[str],
+    log_path: Path | None,
+    *,
+    append: bool = False,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
     """Start one service process, logging to `log_path` (else this process's stderr)."""
     log_file: IO[bytes] | None = None
@@ -198,7 +217,7 @@ def _popen(
         start_new_session=True,
         # SIGTERM when this launcher dies, even by SIGKILL: the child arms it itself at start
         # (services/common/processes.py says why not from here).
-        env=tied_env(),
+        env=tied_env() | (env or {}),
     )
     return process, log_file
 
@@ -212,9 +231,31 @@ def start_engine_processes(config: StackConfig, model: ModelSpec) -> list[ChildP
             "engine",
             free_port(),
             [*model.flags(), *metrics_flags(config, 2 + index), *config.engine_args],
+            env={"CUDA_VISIBLE_DEVICES": config.engine_gpus[index]} if config.engine_gpus else None,
         )
         for index in range(config.engines)
     ]
+
+
+def plan_engine_processes(
+    engines: int | None, device: str | None, gpus: Sequence[str]
+) -> tuple[int, tuple[str, ...]]:
+    """(engine count, GPU per engine) for engines run as processes (`sluice up --no-ray`).
+
+    Data parallel by default: one engine per visible GPU, each pinned to its own. On CPU (no
+    GPU, or --device cpu): the asked count (default 1), unpinned. An explicit --device cuda:N
+    keeps every engine on that device. More engines than GPUs is refused: two engines on one
+    GPU would each size their KV cache from the same free memory."""
+    on_gpu = bool(gpus) and (device is None or device in ("auto", "cuda"))
+    if not on_gpu:
+        return (1 if engines is None else engines), ()
+    count = len(gpus) if engines is None else engines
+    if count > len(gpus):
+        raise InvalidArgumentError(
+            f"{count} engines but {len(gpus)} GPUs ({', '.join(gpus)}): one engine per GPU "
+            "(use --device cpu for CPU engines)"
+        )
+    return count, tuple(gpus[:count])
 
 
 def metrics_flags(config: StackConfig, offset: int) -> list[str]:

@@ -7,7 +7,8 @@ gate the scheduler asks. The engine's calls, in order of a request's life:
 - `inspect(name, path)` on the admin path, off the step thread (reads and validates the files),
   then `register(record)` on the step thread; `unregister(name)`.
 - `gate.hold(seq)` at add_request (NOT_FOUND for an unknown name), `gate.poll()` once per
-  step (sequences whose adapter failed to load come back with the error to finish them with),
+  step (sequences whose adapter failed to load come back with the error to finish them with);
+  a loop with nothing to schedule but loads in flight sleeps until `on_load_done` wakes it.
   `Scheduler(..., adapter_slots=gate)` admits and releases, `gate.drop(seq)` when it ends.
 - `begin_step(batch)` before each forward (which rows use which slot); the model was given the
   runtime once with `attach(model)` (nn.Module models) or calls `runtime.apply` itself.
@@ -16,6 +17,7 @@ gate the scheduler asks. The engine's calls, in order of a request's life:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import torch
@@ -48,6 +50,7 @@ class EngineAdapters:
         kernels: str = "torch",
         max_rows: int = 0,
         executor: Executor | None = None,
+        on_load_done: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -69,6 +72,7 @@ class EngineAdapters:
             load=self._load,
             write_slot=self.slots.write,
             executor=executor,
+            on_load_done=on_load_done,
         )
         self.gate = AdapterGate(self.manager)
 

@@ -53,12 +53,16 @@ class AdapterManager:
         load: Callable[[AdapterRecord], Any],
         write_slot: Callable[[int, Any], None],
         executor: Executor | None = None,
+        on_load_done: Callable[[], None] | None = None,
     ) -> None:
+        """`on_load_done` is called on the loader thread when a load ends (success or not):
+        an engine loop idle only because of loads in flight can wake on it and poll."""
         if max_loras < 1 or max_cpu_loras < max_loras:
             raise ValueError("need 1 <= max_loras <= max_cpu_loras")
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self._load = load
+        self._on_load_done = on_load_done
         self._write_slot = write_slot
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self._records: dict[str, AdapterRecord] = {}
@@ -185,7 +189,10 @@ class AdapterManager:
             if not self._make_host_room():
                 break
             record = self._wanted[key]
-            self._loading[key] = (record, self._executor.submit(self._load, record))
+            future = self._executor.submit(self._load, record)
+            if self._on_load_done is not None:
+                future.add_done_callback(self._load_done)
+            self._loading[key] = (record, future)
         return failures
 
     def resident(self) -> tuple[str, ...]:
@@ -216,6 +223,10 @@ class AdapterManager:
             and key not in in_slots
             and key not in self._failed
         ]
+
+    def _load_done(self, _future: Future[Any]) -> None:
+        if self._on_load_done is not None:
+            self._on_load_done()
 
     def _blocked(self) -> bool:
         """Whether an adapter in demand is in memory but in no slot (it waits for one)."""

@@ -4,6 +4,7 @@ slot eviction and the CPU runner (the engine's loop, minus sampling options)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -64,7 +65,14 @@ def test_adapters_in_flight_on_two_slots_match_peft(tmp_path: Path) -> None:
         files_for(tmp_path / "base"), dtype=torch.float32, block_size=4, kv_cache_bytes=1 << 20
     )
     config = LoRAConfig(max_loras=2, max_cpu_loras=3, max_lora_rank=8, adapter_root=str(root))
-    adapters = EngineAdapters(config, runner.model_config, dtype=torch.float32, device="cpu")
+    load_done = threading.Event()
+    adapters = EngineAdapters(
+        config,
+        runner.model_config,
+        dtype=torch.float32,
+        device="cpu",
+        on_load_done=load_done.set,
+    )
     for name in ADAPTERS:
         adapters.register(adapters.inspect(name, name))
     adapters.attach(runner.model)
@@ -88,10 +96,12 @@ def test_adapters_in_flight_on_two_slots_match_peft(tmp_path: Path) -> None:
     deadline = time.monotonic() + 60
     most_slots = 0
     while live and time.monotonic() < deadline:
+        load_done.clear()
         assert adapters.gate.poll() == []
         output = scheduler.schedule()
-        if output.is_empty:
-            time.sleep(0.002)  # only loads in flight
+        if output.is_empty:  # only loads in flight: sleep until one ends
+            assert adapters.manager.num_loading > 0
+            load_done.wait(5)
             continue
         slots_in_use = {item.adapter_slot for item in output.batch.sequences} - {-1}
         most_slots = max(most_slots, len(slots_in_use))

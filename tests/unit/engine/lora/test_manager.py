@@ -199,16 +199,19 @@ def test_loads_run_on_another_thread_by_default() -> None:
         done.set()
         return rec.name
 
-    manager = AdapterManager(max_loras=1, max_cpu_loras=1, load=load, write_slot=lambda *_: None)
+    woken = threading.Event()
+    manager = AdapterManager(
+        max_loras=1,
+        max_cpu_loras=1,
+        load=load,
+        write_slot=lambda *_: None,
+        on_load_done=woken.set,
+    )
     manager.register(record("a"))
     a = manager.hold("a")
     manager.poll()
-    assert done.wait(5)
-    for _ in range(500):
-        manager.poll()
-        if manager.ready(a):
-            break
-        threading.Event().wait(0.01)
+    assert done.wait(5) and woken.wait(5)  # the step loop is woken, it need not spin
+    manager.poll()
     assert manager.ready(a) and threads != [threading.get_ident()]
     manager.shutdown()
 

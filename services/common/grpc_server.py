@@ -31,6 +31,7 @@ from services.common.errors import SluiceError
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_KEY = "retry-after"
+LIVENESS_SERVICE = "sluice.liveness"  # health name that is SERVING while the process answers
 # Messages up to 64 MiB: a batched engine step for many sequences can be large.
 DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -196,5 +197,8 @@ async def start_server(
     await server.start()
     running = RunningServer(server, port, health, tuple(service_names))
     await running.set_serving(False)
+    # Liveness, apart from readiness: SERVING while the process answers, whatever its peers do
+    # (a router without engines is alive, only not ready). Kubernetes' liveness probes ask it.
+    await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("gRPC server listening on port %d (%s)", port, ", ".join(service_names))
     return running

@@ -11,7 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.sluice.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError
-from services.common.grpc_server import RETRY_AFTER_KEY, start_server
+from services.common.grpc_server import LIVENESS_SERVICE, RETRY_AFTER_KEY, start_server
 
 
 class _Failing(tokenizer_pb2_grpc.TokenizerServicer):
@@ -53,6 +53,9 @@ def test_errors_map_to_status_codes_and_health_flips() -> None:
                 health = health_pb2_grpc.HealthStub(channel)
                 check = await health.Check(health_pb2.HealthCheckRequest(service=""))
                 assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                # Alive though not ready: what liveness probes ask.
+                live = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE))
+                assert live.status == health_pb2.HealthCheckResponse.SERVING
                 await server.set_serving(True)
                 check = await health.Check(
                     health_pb2.HealthCheckRequest(service="sluice.v1.Tokenizer")

@@ -3,8 +3,8 @@
 Mixed adapters of different ranks (rank-padded slots), base rows between them, fused q|k|v
 (GQA widths) and gate|up slices, decode- and prefill-sized batches, split K; base rows must stay
 bit-for-bit untouched. A captured graph replayed after `set_batch` with another adapter mix
-must compute that mix (slot indices are graph inputs). Outputs are poisoned nowhere: y starts
-random and only adapter rows may change. The float32 reference uses the same (rounded) weights.
+must compute that mix (slot indices are graph inputs). y starts random, so a row the kernels
+skip or write twice shows; the float32 reference uses the same (rounded) weights.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ class SegmentGraphs:
     directory: Path
     graphs: dict[str, list[Path]]
     dtype: torch.dtype
+    digests: dict[str, str] = field(default_factory=dict)  # file name -> sha256
 
     def path(self, kind: str, layer: int = 0) -> Path:
         return self.graphs[kind][layer]
@@ -156,14 +157,21 @@ def export_segments(
         for spec in segments.SEGMENTS
         for layer in (range(config.num_layers) if spec.per_layer else (0,))
     ]
-    templates: dict[str, onnx.ModelProto] = {}
+    templates: dict[str, onnx.ModelProto | None] = {}
     graphs: dict[str, list[str]] = {spec.kind: [] for spec in segments.SEGMENTS}
     bar = tqdm(plan, desc="export ONNX segments", unit="graph", disable=progress is False)
     for kind, layer in bar:
         module = segments.segment_module(model, kind, layer)
         if kind not in templates:
-            templates[kind] = trace_segment(module, config, kind, parameter)
-        proto = with_weights(templates[kind], module)
+            traced = trace_segment(module, config, kind, parameter)
+            # Where the exporter folded a weight into a new constant (a cast to float32 in
+            # half precision), no initializer carries its name: trace every layer instead.
+            templates[kind] = traced if _names_every_weight(traced, module) else None
+            proto = traced
+        elif templates[kind] is None:
+            proto = trace_segment(module, config, kind, parameter)
+        else:
+            proto = with_weights(templates[kind], module)
         stem = f"{kind}.{layer:03d}" if segments.spec(kind).per_layer else kind
         onnx.save_model(
             proto,
@@ -231,8 +239,8 @@ def with_weights(template: Any, module: torch.nn.Module) -> Any:
             )
         tensor.ClearField("external_data")
         tensor.data_location = onnx.TensorProto.DEFAULT
-        for field in ("float_data", "int32_data", "double_data"):
-            tensor.ClearField(field)
+        for typed in ("float_data", "int32_data", "double_data"):
+            tensor.ClearField(typed)
         tensor.data_type = _ONNX_DTYPES[weight.dtype]
         tensor.raw_data = weight.view(torch.uint8).numpy().tobytes()
         found.add(tensor.name)
@@ -242,6 +250,11 @@ def with_weights(template: Any, module: torch.nn.Module) -> Any:
             f"the traced segment graph holds no initializer for {sorted(missing)}"
         )
     return proto
+
+
+def _names_every_weight(proto: Any, module: torch.nn.Module) -> bool:
+    names = {tensor.name for tensor in proto.graph.initializer}
+    return all(name in names for name, _ in module.named_parameters())
 
 
 def verify(directory: Path) -> str | None:
@@ -273,7 +286,8 @@ def _graphs(directory: Path, dtype: torch.dtype) -> SegmentGraphs:
     graphs = {
         kind: [directory / name for name in names] for kind, names in manifest["graphs"].items()
     }
-    return SegmentGraphs(directory=directory, graphs=graphs, dtype=dtype)
+    digests = {name: entry["sha256"] for name, entry in manifest["files"].items()}
+    return SegmentGraphs(directory=directory, graphs=graphs, dtype=dtype, digests=digests)
 
 
 def _sha256(path: Path) -> str:

@@ -22,8 +22,10 @@ from tests.unit.router.router_fakes import FakeEngine, FakeTokenizer, generated_
 
 
 class Front:
-    def __init__(self, engine: FakeEngine, session: aiohttp.ClientSession, base: str) -> None:
-        self.engine, self.session, self.base = engine, session, base
+    def __init__(
+        self, engine: FakeEngine, session: aiohttp.ClientSession, base: str, grpc_port: int
+    ) -> None:
+        self.engine, self.session, self.base, self.grpc_port = engine, session, base, grpc_port
 
     async def post(self, path: str, body: object, **kwargs) -> tuple[int, dict, dict]:
         data = body if isinstance(body, (bytes, str)) else json.dumps(body)
@@ -67,7 +69,7 @@ def run_front(
                     break
                 await asyncio.sleep(0.01)
             assert core.serving
-            await test(Front(fake_engine, session, f"http://127.0.0.1:{port}"))
+            await test(Front(fake_engine, session, f"http://127.0.0.1:{port}", server.port))
             assert core.active == set()
         finally:
             await session.close()

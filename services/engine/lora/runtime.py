@@ -106,6 +106,7 @@ class LoRARuntime:
             layout["group_starts"],
             layout["group_lengths"],
             layout["group_slots"],
+            slots.rank_tensors[projection],
         )
         lora_expand(
             shrunk,
@@ -116,6 +117,7 @@ class LoRARuntime:
             layout["group_starts"],
             layout["group_lengths"],
             layout["group_slots"],
+            slots.rank_tensors[projection],
             widest_slice=max(slots.shapes[projection].slice_sizes),
         )
 

@@ -5,8 +5,9 @@ and one B buffer [max_loras, out, max_rank]. Writing an adapter into slot s fill
 past its rank and in projections it leaves out); a batch then refers to adapters only by slot
 index, so those indices (not the weights) are what changes from step to step — which lets them
 be CUDA-graph inputs, and lets one kernel launch serve every adapter of a batch.
-Host-side, `ranks[projection][slot]` (0: the adapter leaves that projection alone) lets the
-CPU path skip work and compute only each adapter's real rank.
+`ranks[projection][slot]` (0: the adapter leaves that projection alone; a host list, and the
+same in `rank_tensors` on the device) lets both paths skip work and read only each adapter's
+real rank.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class LoRASlots:
             self.a.append(a_layer)
             self.b.append(b_layer)
         self.ranks: dict[str, list[int]] = {name: [0] * max_loras for name in PROJECTIONS}
+        # The same ranks on the device, for the GPU kernels (which read no padding past them).
+        self.rank_tensors: dict[str, torch.Tensor] = {
+            name: torch.zeros(max_loras, dtype=torch.int32, device=self.device)
+            for name in PROJECTIONS
+        }
         self.names: list[str | None] = [None] * max_loras
 
     @property
@@ -71,6 +77,7 @@ class LoRASlots:
                 self.b[layer][name][slot, :, :rank].copy_(factors.b, non_blocking=True)
         for name in weights.projections():
             self.ranks[name][slot] = rank
+            self.rank_tensors[name][slot] = rank
         self.names[slot] = weights.name
 
     def clear(self, slot: int) -> None:
@@ -81,4 +88,5 @@ class LoRASlots:
                     self.a[layer][name][slot].zero_()
                     self.b[layer][name][slot].zero_()
                 self.ranks[name][slot] = 0
+                self.rank_tensors[name][slot] = 0
         self.names[slot] = None

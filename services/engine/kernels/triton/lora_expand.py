@@ -24,12 +24,12 @@ def _lora_expand_kernel(
     group_starts_ptr,
     group_lengths_ptr,
     group_slots_ptr,
+    slot_ranks_ptr,
     stride_sm,
     stride_si,
     stride_bs,
     stride_bo,
     stride_ym,
-    RANK: tl.constexpr,
     NUM_SLICES: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -49,15 +49,18 @@ def _lora_expand_kernel(
     n_start = low + pid_n * BLOCK_N
     if n_start >= high:
         return
-    start = tl.load(group_starts_ptr + group)
     slot = tl.load(group_slots_ptr + group).to(tl.int64)
+    rank = tl.load(slot_ranks_ptr + slot)
+    if rank == 0:  # the adapter leaves this projection alone
+        return
+    start = tl.load(group_starts_ptr + group)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < length
     rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < high
     offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < RANK
+    mask_r = offs_r < rank  # the slot's real rank: its padding is never read
     shrunk = tl.load(
         shrunk_ptr + rows[:, None] * stride_sm + slice_id * stride_si + offs_r[None, :],
         mask=mask_m[:, None] & mask_r[None, :],
@@ -87,6 +90,7 @@ def lora_expand(
     group_starts: torch.Tensor,
     group_lengths: torch.Tensor,
     group_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
     *,
     widest_slice: int,
 ) -> None:
@@ -95,7 +99,7 @@ def lora_expand(
     shrunk float32 [T, >=slices, rank] from lora_shrink; b [slots, out, rank] (last dim
     contiguous); y [T, out] with unit column stride; slice_offsets int32 [slices + 1] on the
     device (the slice starts in y plus the total) and widest_slice the largest slice width;
-    the group tensors as for lora_shrink.
+    the group tensors and slot_ranks as for lora_shrink.
     """
     rows = y.shape[0]
     if rows == 0:
@@ -122,12 +126,12 @@ def lora_expand(
         group_starts,
         group_lengths,
         group_slots,
+        slot_ranks,
         shrunk.stride(0),
         shrunk.stride(1),
         b.stride(0),
         b.stride(1),
         y.stride(0),
-        RANK=rank,
         NUM_SLICES=num_slices,
         IEEE=y.dtype == torch.float32,
         BLOCK_M=block_m,

@@ -5,7 +5,8 @@ per group, services/engine/lora/batch.py), so each program multiplies a block of
 gathered rows by that slot's rank-padded A [rank, in] with a tensor-core dot. The grid is fixed
 by the number of rows and slots, never by the adapter mix: programs of empty or short groups
 return at once, so a captured CUDA graph serves any mix by reading new group buffers. Wide
-inputs with few rows split K across programs (float32 atomic adds into a zeroed output).
+inputs with few rows split K across programs (float32 atomic adds into a zeroed output). Only
+each slot's real rank of A is read (slots are padded to the largest rank the engine serves).
 Output u is float32 [rows, slices, rank] (row-indexed like x) for lora_expand.
 """
 
@@ -25,6 +26,7 @@ def _lora_shrink_kernel(
     group_starts_ptr,
     group_lengths_ptr,
     group_slots_ptr,
+    slot_ranks_ptr,
     in_features,
     stride_xm,
     stride_as,
@@ -32,7 +34,6 @@ def _lora_shrink_kernel(
     stride_ar,
     stride_om,
     stride_oi,
-    RANK: tl.constexpr,
     SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -47,13 +48,16 @@ def _lora_shrink_kernel(
     m_start = pid_m * BLOCK_M
     if m_start >= length:
         return
-    start = tl.load(group_starts_ptr + group)
     slot = tl.load(group_slots_ptr + group).to(tl.int64)
+    rank = tl.load(slot_ranks_ptr + slot)
+    if rank == 0:  # the adapter leaves this projection alone (lora_expand skips it too)
+        return
+    start = tl.load(group_starts_ptr + group)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < length
     rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < RANK
+    mask_r = offs_r < rank  # the slot's real rank: its padding is never read
     a_base = a_ptr + slot * stride_as + slice_id * stride_ai
     k_per_split = tl.cdiv(in_features, BLOCK_K * SPLIT_K) * BLOCK_K
     k_begin = split * k_per_split
@@ -99,11 +103,13 @@ def lora_shrink(
     group_starts: torch.Tensor,
     group_lengths: torch.Tensor,
     group_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
 ) -> None:
     """out[r, i, :] = x[r] · a[slot, i]ᵀ for every row r of every group (others untouched).
 
     x [T, in]; a [slots, slices, rank, in] (last dim contiguous); out float32 [T, >=slices,
-    rank]; the group tensors int32 (services/engine/lora/batch.KernelLayout).
+    rank]; the group tensors int32 (services/engine/lora/batch.KernelLayout); slot_ranks
+    int32 [slots], each slot's real rank for this projection (0: rows of that slot skipped).
     """
     rows = x.shape[0]
     if rows == 0:
@@ -126,6 +132,7 @@ def lora_shrink(
         group_starts,
         group_lengths,
         group_slots,
+        slot_ranks,
         in_features,
         x.stride(0),
         a.stride(0),
@@ -133,7 +140,6 @@ def lora_shrink(
         a.stride(2),
         out.stride(0),
         out.stride(1),
-        RANK=rank,
         SPLIT_K=split_k,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m,

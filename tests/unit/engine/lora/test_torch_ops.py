@@ -99,6 +99,8 @@ def test_rewriting_a_slot_leaves_nothing_of_the_previous_adapter() -> None:
     slots.write(0, small)
     assert slots.names == ["small"]
     assert slots.ranks["o_proj"] == [2] and slots.ranks["qkv_proj"] == [0]
+    assert slots.rank_tensors["o_proj"].tolist() == [2]
+    assert slots.rank_tensors["qkv_proj"].tolist() == [0]
     for layer in range(CONFIG.num_layers):
         assert slots.a[layer]["qkv_proj"].abs().sum() == 0
         assert slots.b[layer]["down_proj"].abs().sum() == 0

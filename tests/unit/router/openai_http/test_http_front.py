@@ -15,7 +15,9 @@ import aiohttp
 import pytest
 
 from protos.sluice.v1 import engine_pb2_grpc, tokenizer_pb2_grpc
+from services.common.redis_store import MemoryStore
 from services.router.config import RouterConfig
+from services.router.idempotency import IdempotencyCache
 from services.router.openai_http.app import HttpFront
 from services.router.server import shutdown, start
 from tests.unit.router.router_fakes import FakeEngine, FakeTokenizer, generated_text, start_fake
@@ -43,7 +45,11 @@ class Front:
 
 
 def run_front(
-    test: Callable[[Front], Awaitable[None]], *, engine: FakeEngine | None = None, **fields
+    test: Callable[[Front], Awaitable[None]],
+    *,
+    engine: FakeEngine | None = None,
+    core_options: dict | None = None,
+    **fields,
 ) -> None:
     async def scenario() -> None:
         fake_engine = engine or FakeEngine()
@@ -59,7 +65,7 @@ def run_front(
             tokenizer=f"127.0.0.1:{tokenizer_port}",
             **fields,
         )
-        core, server = await start(config)
+        core, server = await start(config, **(core_options or {}))
         front = HttpFront(core, max_body_bytes=64 * 1024)
         port = await front.start("127.0.0.1", 0)
         session = aiohttp.ClientSession()
@@ -258,6 +264,36 @@ def test_timeout_header_gives_504_and_aborts_on_the_engine() -> None:
         assert status == 400
 
     run_front(check, engine=FakeEngine(step_s=0.01))
+
+
+def test_an_error_after_the_stream_began_is_one_error_event_before_done() -> None:
+    async def check(front: Front) -> None:
+        body = completion(max_tokens=100, stream=True)
+        events = await front.events("/v1/completions", body, headers={"Sluice-Timeout-S": "0.2"})
+        assert events[-1] == "[DONE]" and events[0]["choices"][0]["text"] == "a"
+        error = events[-2]["error"]
+        assert error["type"] == "timeout_error" and error["code"] == "deadline_exceeded"
+        await eventually(lambda: not front.engine.live)
+
+    run_front(check, engine=FakeEngine(step_s=0.01))
+
+
+def test_idempotency_key_replays_and_a_different_body_is_409() -> None:
+    async def check(front: Front) -> None:
+        key = {"Idempotency-Key": "order-17"}
+        status, first, _ = await front.post(
+            "/v1/completions", completion(max_tokens=4), headers=key
+        )
+        assert status == 200 and first["id"] == "cmpl-order-17"
+        status, again, _ = await front.post(
+            "/v1/completions", completion(max_tokens=4), headers=key
+        )
+        assert status == 200 and again["choices"] == first["choices"]
+        assert len(front.engine.submitted) == 1  # replayed, not generated twice
+        status, body, _ = await front.post("/v1/completions", completion(max_tokens=5), headers=key)
+        assert status == 409 and body["error"]["type"] == "conflict_error"
+
+    run_front(check, core_options={"idempotency": IdempotencyCache(MemoryStore())})
 
 
 def test_client_disconnect_mid_stream_aborts_on_the_engine() -> None:

@@ -111,7 +111,7 @@ class EngineAdapters:
         weights = load_registered_adapter(
             record.name,
             record.path,
-            record.checksum,
+            record.sha256,
             adapter_root=self.config.adapter_root,
             model_config=self.model_config,
             max_rank=self.config.max_lora_rank,

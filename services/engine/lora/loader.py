@@ -75,9 +75,9 @@ def inspect_adapter(
     return AdapterRecord(
         name=name,
         path=path,
-        checksum=checksum,
+        sha256=checksum,
         rank=weights.rank,
-        modules=tuple(sorted(weights.modules)),
+        target_modules=tuple(sorted(weights.modules)),
     )
 
 

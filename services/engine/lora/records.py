@@ -18,18 +18,18 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]*$")
 
 @dataclass(frozen=True)
 class AdapterRecord:
-    """A registered adapter: where it is and what it is (plain data, JSON-friendly)."""
+    """A registered adapter: where it is and what it is (the fields of sluice.v1.AdapterSpec)."""
 
     name: str
     path: str  # as registered (resolved again under the root at every load)
-    checksum: str  # SHA-256 over adapter_config.json and adapter_model.safetensors
+    sha256: str  # over adapter_config.json and adapter_model.safetensors (paths.checksum_of)
     rank: int
-    modules: tuple[str, ...]
+    target_modules: tuple[str, ...]  # the PEFT modules it adapts (q_proj, ..., down_proj)
 
     @property
     def key(self) -> tuple[str, str]:
         """Identity of these exact files: a re-registration under the same name is another key."""
-        return (self.name, self.checksum)
+        return (self.name, self.sha256)
 
 
 def validate_adapter_name(name: object) -> str:

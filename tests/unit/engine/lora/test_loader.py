@@ -186,25 +186,25 @@ def test_registration_then_load_verifies_the_checksum(tmp_path: Path) -> None:
         lora_tensors(CONFIG, ["q_proj", "down_proj"], 4),
     )
     record = inspect_adapter("sql", "sql", adapter_root=root, model_config=CONFIG, max_rank=64)
-    assert record.rank == 4 and record.modules == ("down_proj", "q_proj")
+    assert record.rank == 4 and record.target_modules == ("down_proj", "q_proj")
     loaded = load_registered_adapter(
         "sql",
         record.path,
-        record.checksum,
+        record.sha256,
         adapter_root=root,
         model_config=CONFIG,
         max_rank=64,
         dtype=torch.bfloat16,
     )
     assert loaded.layers[1]["down_proj"].b.dtype == torch.bfloat16
-    assert loaded.checksum == record.checksum
+    assert loaded.checksum == record.sha256
     # Swap in other (valid) weights after registration: the load refuses them.
     write_adapter(root / "sql", peft_config(["q_proj"], 4), lora_tensors(CONFIG, ["q_proj"], 4))
     with pytest.raises(FailedPreconditionError, match="changed on disk"):
         load_registered_adapter(
             "sql",
             record.path,
-            record.checksum,
+            record.sha256,
             adapter_root=root,
             model_config=CONFIG,
             max_rank=64,

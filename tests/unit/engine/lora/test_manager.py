@@ -33,8 +33,8 @@ class ManualExecutor(Executor):
                 future.set_exception(exc)
 
 
-def record(name: str, checksum: str = "c") -> AdapterRecord:
-    return AdapterRecord(name=name, path=name, checksum=checksum, rank=8, modules=("q_proj",))
+def record(name: str, sha256: str = "c") -> AdapterRecord:
+    return AdapterRecord(name=name, path=name, sha256=sha256, rank=8, target_modules=("q_proj",))
 
 
 def make(max_loras: int = 2, max_cpu_loras: int = 3, broken: tuple[str, ...] = ()):
@@ -44,7 +44,7 @@ def make(max_loras: int = 2, max_cpu_loras: int = 3, broken: tuple[str, ...] = (
     def load(rec: AdapterRecord) -> str:
         if rec.name in broken:
             raise FailedPreconditionError(f"adapter {rec.name!r} changed on disk")
-        return f"weights:{rec.name}:{rec.checksum}"
+        return f"weights:{rec.name}:{rec.sha256}"
 
     manager = AdapterManager(
         max_loras=max_loras,
@@ -176,7 +176,7 @@ def test_reregistering_a_name_serves_new_requests_the_new_files() -> None:
     manager, executor, written = make()
     (old,) = _load(manager, executor, "a")
     slot = manager.acquire(old)
-    manager.register(record("a", checksum="new"))
+    manager.register(record("a", sha256="new"))
     (new,) = _load(manager, executor, "a")
     assert new.key != old.key
     new_slot = manager.acquire(new)

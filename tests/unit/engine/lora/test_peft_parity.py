@@ -73,7 +73,7 @@ def test_mixed_adapter_batch_matches_peft(tmp_path: Path, max_loras: int) -> Non
         weights[name] = load_registered_adapter(
             name,
             record.path,
-            record.checksum,
+            record.sha256,
             adapter_root=root,
             model_config=config,
             max_rank=8,

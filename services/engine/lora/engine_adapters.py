@@ -12,7 +12,7 @@ gate the scheduler asks. The engine's calls, in order of a request's life:
   `Scheduler(..., adapter_slots=gate)` admits and releases, `gate.drop(seq)` when it ends.
 - `begin_step(batch)` before each forward (which rows use which slot); the model was given the
   runtime once with `attach(model)` (nn.Module models) or calls `runtime.apply` itself.
-- `resident()` for the load report.
+- `resident()` and `loading()` for the load report.
 """
 
 from __future__ import annotations
@@ -102,6 +102,9 @@ class EngineAdapters:
 
     def resident(self) -> tuple[str, ...]:
         return self.manager.resident()
+
+    def loading(self) -> tuple[str, ...]:
+        return self.manager.loading()
 
     def shutdown(self) -> None:
         self.manager.shutdown()

@@ -200,6 +200,11 @@ class AdapterManager:
         names = {entry.key[0] for entry in self._slots if entry.key is not None}
         return tuple(sorted(name for name in names if name in self._records))
 
+    def loading(self) -> tuple[str, ...]:
+        """Names of adapters that waiting requests need and that are not in memory yet."""
+        keys = [*self._loading, *self._missing()]
+        return tuple(sorted({key[0] for key in keys}))
+
     def slot_of(self, record: AdapterRecord) -> int | None:
         return self._slot_of(record.key)
 

@@ -69,13 +69,14 @@ def test_a_load_runs_off_the_step_and_the_request_waits_until_ready() -> None:
     manager, executor, written = make()
     a = manager.hold("a")
     assert not manager.ready(a) and manager.acquire(a) is None
+    assert manager.loading() == ("a",)  # queued
     manager.poll()  # starts the load ...
-    assert len(executor.queued) == 1 and not manager.ready(a)
+    assert len(executor.queued) == 1 and not manager.ready(a) and manager.loading() == ("a",)
     manager.poll()  # ... which does not finish by itself
     assert len(executor.queued) == 1 and manager.num_loading == 1
     executor.run_all()
     manager.poll()
-    assert manager.ready(a) and manager.num_loading == 0
+    assert manager.ready(a) and manager.num_loading == 0 and manager.loading() == ()
     slot = manager.acquire(a)
     assert slot == 0 and written == [(0, "weights:a:c")]
     assert manager.acquire(a) == 0 and len(written) == 1  # a second sequence shares the slot

@@ -2,7 +2,9 @@
 
 Filled from flags, then `SLUICE_*` environment variables, then these defaults through
 `services.common.config.from_layers`. Defaults suit the CPU (the default here and in CI); on a
-GPU the KV cache is sized from `gpu_memory_utilization` unless `kv_cache_bytes` is given.
+GPU the KV cache is sized from `gpu_memory_utilization` unless `kv_cache_bytes` is given, and
+unset step limits (`max_num_seqs`, `max_num_batched_tokens`) from the GPU's memory and the
+model (services/engine/device_limits.py), before the runner is built.
 """
 
 from __future__ import annotations
@@ -48,14 +50,25 @@ class EngineConfig:
     gpu_memory_utilization: float = field(
         0.85, help="fraction of GPU memory the engine may use (weights + KV cache)"
     )
-    max_num_seqs: int = field(256, help="most sequences in one forward step")
-    max_num_batched_tokens: int = field(
-        2048, help="token budget of one forward step (longer prompts are prefilled in chunks)"
+    max_num_seqs: int | None = field(
+        None,
+        help="most sequences in one forward step (default: 256 on CPU; on CUDA sized from the "
+        "GPU's memory and the model, 512 on an 80 GB card: services/engine/device_limits.py)",
+    )
+    max_num_batched_tokens: int | None = field(
+        None,
+        help="token budget of one forward step, longer prompts are prefilled in chunks "
+        "(default: 2048 on CPU; on CUDA sized from the GPU's memory, 8192 on an 80 GB card)",
     )
     max_model_len: int | None = field(
         None, help="context length cap (default: the model's own context)"
     )
     enable_prefix_caching: bool = field(True, help="reuse KV blocks of shared prompt prefixes")
+    warm_up: bool = field(
+        True,
+        help="before reporting SERVING, run every step shape once (prefill sizes, every "
+        "CUDA-graph decode batch, sampler paths; one small step on CPU): services/engine/warmup.py",
+    )
     seed: int = field(0, help="seed of the random weights (dummy models) and unseeded sampling")
     cpu_kernels: bool = field(
         True,
@@ -109,8 +122,10 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"gpu_memory_utilization must be in (0, 1], got {utilization}"
             )
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_seqs is not None:
+            _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
             if self.max_model_len < 2:

@@ -19,6 +19,9 @@ cover run those plain ops (with the configured attention backend) for every step
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 # Attention backends the fast path replaces (it brings its own fused "cuda" attention).
 FAST_PATH_BACKENDS = ("torch", "cuda")
+# Decode row counts whose projections may take the Triton skinny matmul (tuned per role).
+SKINNY_ROW_COUNTS = (1, 2, 4, 8)
 
 
 def fast_path_unsupported(config: ModelConfig) -> str | None:
@@ -62,6 +67,14 @@ def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
     larger = [size for size in DEFAULT_BUCKETS if size >= max_num_seqs]
     buckets.append(larger[0] if larger else DEFAULT_BUCKETS[-1])
     return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class CudaRunnerCapabilities(RunnerCapabilities):
+    """RunnerCapabilities plus the decode batch sizes captured as CUDA graphs (each of which a
+    warm-up replays once: services/engine/warmup.py)."""
+
+    graph_batch_sizes: tuple[int, ...] = ()
 
 
 class CudaModelRunner(BaseModelRunner):
@@ -123,7 +136,7 @@ class CudaModelRunner(BaseModelRunner):
             max_blocks_per_seq=-(-config.max_model_len // self.block_size),
             graph_buckets=graph_buckets(max_num_seqs),
         )
-        self.fast.tune_skinny_matmuls()
+        tuned = self._tune_skinny_matmuls()
         if self.use_cuda_graphs:
             self.fast.capture_graphs()
         largest = self.fast.graphs.max_batch_size
@@ -142,13 +155,49 @@ class CudaModelRunner(BaseModelRunner):
         self._previous_rows: dict[int, int] = {}
         self._previous_ids: torch.Tensor | None = None
         # LLMEngine schedules a step ahead only for batches one graph replay takes.
-        self.capabilities = RunnerCapabilities(
-            greedy_ids=True, overlap_max_batch=largest if self.use_cuda_graphs else 0
+        self.capabilities = CudaRunnerCapabilities(
+            greedy_ids=True,
+            overlap_max_batch=largest if self.use_cuda_graphs else 0,
+            graph_batch_sizes=self.fast.graphs.buckets if self.use_cuda_graphs else (),
         )
         return (
             f"CUDA fast path: graphs {'on' if self.use_cuda_graphs else 'off'} for buckets "
-            f"{self.fast.graphs.buckets}, skinny matmuls {len(self.fast.skinny_choices)}"
+            f"{self.fast.graphs.buckets}, skinny matmuls {len(self.fast.skinny_choices)} "
+            f"({tuned})"
         )
+
+    def _tune_skinny_matmuls(self) -> str:
+        """Bind the skinny-matmul choices saved for this GPU, shape, dtype and kernel code
+        (services/engine/tuning_cache.py), or tune them now and save them; says which."""
+        import triton
+
+        from services.engine import tuning_cache
+        from services.engine.kernels.triton import skinny_matmul
+
+        config = self.model_config
+        shape = {
+            name: getattr(config, name)
+            for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                         "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings")
+        }  # fmt: skip
+        device_name = torch.cuda.get_device_name(self.device)
+        dtype = str(self.dtype).removeprefix("torch.")
+        version = tuning_cache.code_version(
+            Path(skinny_matmul.__file__),
+            extra=f"torch {torch.__version__} triton {triton.__version__}",
+        )
+        key = tuning_cache.tuning_key(
+            device_name=device_name, model_shape=shape, dtype=dtype, code_version=version
+        )
+        started = time.perf_counter()
+        saved = tuning_cache.load_choices(key)
+        if saved is not None and self.fast.apply_skinny_choices(saved, SKINNY_ROW_COUNTS):
+            return f"choices loaded from the tuning cache, key {key}"
+        self.fast.tune_skinny_matmuls(SKINNY_ROW_COUNTS)
+        about = {"device": device_name, "dtype": dtype, "shape": shape, "code": version}
+        path = tuning_cache.save_choices(key, self.fast.skinny_choices_record(), about=about)
+        elapsed = time.perf_counter() - started
+        return f"tuned in {elapsed:.1f}s" + (f", saved to {path}" if path else ", not saved")
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.errors import (
     AlreadyExistsError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
 )
@@ -30,6 +31,7 @@ from services.common.protocol.sampling_params import SamplingParams, validate_pr
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
+from services.engine.load_rates import StepRates
 from services.engine.outputs import (
     EngineLoad,
     FinishReason,
@@ -41,6 +43,7 @@ from services.engine.overlap import LaunchedStep, OverlappedSteps, can_schedule_
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import Sequence
+from services.engine.warmup import WarmupReport, plan_warmup, warm_up
 
 if TYPE_CHECKING:  # the runner modules import torch; the engine's policy code does not
     from services.common.model_files import ModelFiles
@@ -72,9 +75,16 @@ class LLMEngine(OverlappedSteps):
     """Continuous-batching engine over one model runner."""
 
     def __init__(self, config: EngineConfig, *, model_runner: ModelRunner | None = None) -> None:
-        self.config = config
+        from services.engine.device_limits import resolve_limits
+
         if model_runner is None:
-            model_runner = self._build_runner(config)
+            config, model_runner = self._build_runner(config)
+        else:
+            config, limits = resolve_limits(
+                config, model_runner.model_config, str(model_runner.device)
+            )
+            logger.info("step limits: %s", limits)
+        self.config = config
         self.runner: ModelRunner = model_runner
         self.model_files: ModelFiles | None = model_runner.model_files
         model_config = model_runner.model_config
@@ -126,13 +136,22 @@ class LLMEngine(OverlappedSteps):
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[SequenceDelta] = []
         self._seq_ids = itertools.count()
+        self.rates = StepRates()
 
     @staticmethod
-    def _build_runner(config: EngineConfig) -> ModelRunner:
+    def _build_runner(config: EngineConfig) -> tuple[EngineConfig, ModelRunner]:
+        """The runner for `config`, and `config` with its unset step limits sized for the
+        device and the model (services/engine/device_limits.py) before the runner is built."""
         from services.common.model_files import resolve_model
+        from services.engine.device_limits import resolve_limits
+        from services.engine.model_runner import load_model_config
         from services.engine.runner_factory import create_model_runner
 
-        return create_model_runner(config, resolve_model(config.model))
+        files = resolve_model(config.model)
+        model_config = load_model_config(files, config.max_model_len)
+        config, limits = resolve_limits(config, model_config, config.resolved_device())
+        logger.info("step limits: %s", limits)
+        return config, create_model_runner(config, files)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -189,13 +208,29 @@ class LLMEngine(OverlappedSteps):
         return bool(self._requests or self._aborted)
 
     def load(self) -> EngineLoad:
+        rates = self.rates
         return EngineLoad(
             free_blocks=self.block_manager.num_free_blocks,
             total_blocks=self.block_manager.num_blocks,
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
             resident_adapters=(),
+            queued_prompt_tokens=self._queued_prompt_tokens(),
+            prefill_tokens_per_s=rates.prefill_tokens_per_s,
+            decode_tokens_per_s=rates.decode_tokens_per_s,
+            finished_per_s=rates.finished_per_s,
         )
+
+    def _queued_prompt_tokens(self) -> int:
+        """Prompt tokens of waiting sequences and of running ones still prefilling."""
+        total = 0
+        for _, _, seq in self.scheduler.waiting:  # a preempted one recomputes its outputs too
+            total += len(seq.token_ids) - seq.num_computed_tokens
+        for seq in self.scheduler.running:
+            left = len(seq.prompt_token_ids) - seq.num_computed_tokens
+            if left > 0:
+                total += left
+        return max(total, 0)
 
     @property
     def num_preemptions(self) -> int:
@@ -203,6 +238,40 @@ class LLMEngine(OverlappedSteps):
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> StepOutput:
+        """Run one step; every sequence's news and the engine's load (with measured rates)."""
+        output = self._step()
+        decoded = finished = 0
+        for delta in output.deltas:
+            decoded += len(delta.new_token_ids)
+            finished += delta.finished
+        self.rates.record(
+            output.step_time_s,
+            prefill_tokens=max(output.num_batched_tokens - decoded, 0),
+            decode_tokens=decoded,
+            finished=finished,
+        )
+        return output
+
+    def warm_up(self) -> WarmupReport:
+        """Run every step shape this engine can take once (services/engine/warmup.py), so the
+        first requests find kernels compiled and graphs replayed; call before serving."""
+        info = self.info
+        plan = plan_warmup(
+            device_type=str(self.runner.device).partition(":")[0],
+            max_num_seqs=info.max_num_seqs,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            max_model_len=info.max_model_len,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            decode_batches=getattr(self.runner.capabilities, "graph_batch_sizes", ()),
+        )
+        if self.has_unfinished():
+            raise FailedPreconditionError("warm up an engine before it takes requests")
+        report = warm_up(self, plan, seed=self.config.seed)
+        self.rates.reset()
+        return report
+
+    def _step(self) -> StepOutput:
         started = time.perf_counter()
         deltas, self._aborted = self._aborted, []
         launched, self._launched = self._launched, None

@@ -52,6 +52,12 @@ class EngineLoad:
     running: int
     waiting: int
     resident_adapters: tuple[str, ...] = ()
+    # For the router's queueing-delay estimate (services/engine/load_rates.py): prompt tokens
+    # not yet prefilled, and the rates measured over the engine's recent busy time.
+    queued_prompt_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    finished_per_s: float = 0.0
 
 
 @dataclass

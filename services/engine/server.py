@@ -12,7 +12,8 @@ loop never waits on a forward step.
   idle, at most every `load_report_interval_s`.
 - When a session ends (router gone, or it half-closes and its requests are done), all its live
   requests are aborted, so their KV blocks are freed.
-- Health is NOT_SERVING until the model is loaded.
+- Health is NOT_SERVING until the model is loaded and warmed (LLMEngine.warm_up: kernels
+  compiled, graphs replayed, sampler paths run), so first requests pay none of that.
 
 Run standalone: `sluice serve engine --model ... --port ...` or `python -m services.engine.server`.
 """
@@ -321,6 +322,11 @@ async def serve(config: WorkerConfig, *, stop_event: asyncio.Event | None = None
     engine_loop: EngineLoop | None = None
     try:
         engine = await asyncio.to_thread(LLMEngine, config.engine)
+        if config.engine.warm_up:  # every step shape once before SERVING (engine/warmup.py)
+            report = await asyncio.to_thread(engine.warm_up)
+            log.info(
+                "engine %s on %s: %s", engine.info.model_name, engine.info.device, report.summary()
+            )
         engine_loop = servicer.attach(engine, asyncio.get_running_loop())
         await running.set_serving(True)
         log.info("engine %s serving on port %d", servicer.engine_id, running.port)

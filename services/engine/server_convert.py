@@ -28,6 +28,10 @@ def load_to_pb(load: EngineLoad) -> engine_pb2.EngineLoad:
         running=load.running,
         waiting=load.waiting,
         resident_adapters=list(load.resident_adapters),
+        queued_prompt_tokens=load.queued_prompt_tokens,
+        prefill_tokens_per_s=load.prefill_tokens_per_s,
+        decode_tokens_per_s=load.decode_tokens_per_s,
+        finished_per_s=load.finished_per_s,
     )
 
 

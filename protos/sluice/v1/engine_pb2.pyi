@@ -40,7 +40,7 @@ class EngineRequest(_message.Message):
     def __init__(self, submits: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ..., aborts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters", "lora_slots", "loading_adapters")
+    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters", "lora_slots", "loading_adapters", "queued_prompt_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "finished_per_s")
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,10 @@ class EngineLoad(_message.Message):
     RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOADING_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_PER_S_FIELD_NUMBER: _ClassVar[int]
     free_blocks: int
     total_blocks: int
     running: int
@@ -55,7 +59,11 @@ class EngineLoad(_message.Message):
     resident_adapters: _containers.RepeatedScalarFieldContainer[str]
     lora_slots: int
     loading_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., loading_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    queued_prompt_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    finished_per_s: float
+    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., loading_adapters: _Optional[_Iterable[str]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., finished_per_s: _Optional[float] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "usage")

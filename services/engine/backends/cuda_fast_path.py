@@ -171,6 +171,31 @@ class CudaFastPath:
                     self.skinny_choices[("lm_head", rows)] = config
                     self.head_choices[rows] = config
 
+    def skinny_choices_record(self) -> dict[str, list]:
+        """The tuned choices as JSON-ready data ("role:rows" -> configuration), for the cache."""
+        return {
+            f"{role}:{rows}": list(config) for (role, rows), config in self.skinny_choices.items()
+        }
+
+    def apply_skinny_choices(self, record: dict[str, list], row_counts: tuple[int, ...]) -> bool:
+        """Bind choices saved by `skinny_choices_record` (tuned on this GPU, shape, dtype and
+        kernel code); False, binding nothing, when the record is malformed."""
+        roles = {linear.role for linear in self.linears} | {"lm_head"}
+        parsed: dict[tuple[str, int], tuple] = {}
+        try:
+            for name, config in record.items():
+                role, _, rows = name.rpartition(":")
+                if role not in roles or int(rows) not in row_counts or not config:
+                    return False
+                parsed[(role, int(rows))] = tuple(config)
+        except (TypeError, ValueError, AttributeError):
+            return False
+        self.skinny_choices = parsed
+        for linear in self.linears:
+            linear.choices = {rows: c for (role, rows), c in parsed.items() if role == linear.role}
+        self.head_choices = {rows: c for (role, rows), c in parsed.items() if role == "lm_head"}
+        return True
+
     # ---- eager steps ----------------------------------------------------------------------
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

@@ -15,8 +15,9 @@ from services.engine.config import EngineConfig
 def test_defaults_suit_the_cpu():
     config = EngineConfig()
     assert config.model is None and config.backend == "torch"
-    assert config.block_size == 16 and config.max_num_batched_tokens == 2048
-    assert config.max_num_seqs == 256 and config.enable_prefix_caching
+    assert config.block_size == 16 and config.enable_prefix_caching
+    # Step limits are chosen for the device at start (device_limits.py): 256 / 2048 on CPU.
+    assert config.max_num_seqs is None and config.max_num_batched_tokens is None
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,89 @@
+"""Step limits sized from the device's memory and the model's shape."""
+
+from __future__ import annotations
+
+from services.engine.config import EngineConfig
+from services.engine.device_limits import (
+    GIB,
+    ModelShape,
+    model_shape,
+    plan_limits,
+    resolve_limits,
+)
+from services.engine.models.config import ModelConfig
+
+LLAMA_3_8B = ModelShape(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    parameter_count=8_030_000_000,
+)
+
+
+def plan(memory_gib: float, **kwargs):
+    return plan_limits(
+        device_type="cuda",
+        total_memory_bytes=int(memory_gib * GIB),
+        gpu_memory_utilization=0.85,
+        shape=kwargs.pop("shape", LLAMA_3_8B),
+        dtype_bytes=2,
+        **kwargs,
+    )
+
+
+def test_an_80gb_card_takes_512_sequences_and_8k_tokens():
+    limits = plan(79.6)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (512, 8192)
+    assert "KV tokens" in limits.reason
+
+
+def test_smaller_cards_take_less_and_a_tight_cache_cuts_sequences():
+    mid = plan(24)
+    assert mid.max_num_batched_tokens <= 4096 and mid.max_num_seqs <= 256
+    # 8B weights (16 GB) on a 20 GB budget leave a few thousand KV tokens: few sequences.
+    tight = plan(24 * 0.85 / 0.85)
+    assert tight.max_num_seqs * 512 <= 24 * GIB
+    small = plan(16.5, shape=LLAMA_3_8B)
+    assert small.max_num_seqs == 16  # never below the floor
+
+
+def test_explicit_values_win():
+    limits = plan(79.6, max_num_seqs=64, max_num_batched_tokens=1024)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (64, 1024)
+
+
+def test_cpu_keeps_its_defaults():
+    limits = plan_limits(
+        device_type="cpu",
+        total_memory_bytes=0,
+        gpu_memory_utilization=0.85,
+        shape=LLAMA_3_8B,
+        dtype_bytes=4,
+    )
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (256, 2048)
+    config, line = resolve_limits(EngineConfig(max_num_seqs=12), None, "cpu")
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (12, 2048)
+    assert "max_num_seqs 12" in line
+
+
+def test_model_shape_counts_parameters():
+    config = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": 128256,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 8192,
+        },
+        name="llama-3-8b",
+    )
+    shape = model_shape(config)
+    assert 7.9e9 < shape.parameter_count < 8.1e9
+    assert shape.num_kv_heads == 8 and shape.head_dim == 128

@@ -15,6 +15,19 @@ from typing import Any
 TOKENIZER_VOCAB_SIZE = 49152  # the default (SmolLM2) tokenizer's vocabulary
 _SPECIAL_TOKENS = {"bos_token_id": 1, "eos_token_id": 2}
 
+_LLAMA_3_70B: dict[str, Any] = {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
 DUMMY_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3-8b": {
         "hidden_size": 4096,
@@ -28,6 +41,10 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
     },
+    # Llama 3 / 3.1 70B: 64 query heads over 8 KV heads, ~141 GB in bf16 (2 x H200 at TP=2).
+    "llama-3-70b": _LLAMA_3_70B,
+    # The same layer, only 4 of them (~6 GB in bf16): fits one GPU, so TP=2 and TP=1 compare.
+    "llama-3-70b-4l": {**_LLAMA_3_70B, "num_hidden_layers": 4},
     "llama-3.2-1b": {
         "hidden_size": 2048,
         "intermediate_size": 8192,

@@ -1,0 +1,213 @@
+"""The process group of one tensor-parallel engine, and each step's inputs sent over it.
+
+`TensorParallelGroup` wraps torch.distributed: NCCL between GPUs, gloo between CPU processes
+(where the tests run TP=2). `TensorParallelRank` is what a model runner holds: its shard
+layout, its model builder, and the step transfer. Rank 0 owns the scheduler and the block
+manager; before each forward it broadcasts the step's flat inputs (token ids, positions, KV
+slots, lengths, block tables) as two int64 tensors: a fixed header of sizes, then one payload.
+No pickle, no Python objects: ranks 1..N-1 rebuild the same AttentionMetadata from the tensors
+and run the same forward, so every all-reduce meets its peers in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from services.engine.layers.attention_metadata import AttentionMetadata
+from services.engine.models.config import ModelConfig
+from services.engine.parallel.sharding import ShardLayout
+from services.engine.parallel.weights import build_sharded_model, local_model_config, shard_layout
+
+logger = logging.getLogger(__name__)
+
+# Header: opcode, tokens, sequences, block-table width, max query len, max seq len, pure decode,
+# logits rows, block size.
+HEADER_SIZE = 9
+OP_STOP, OP_STEP = 0, 1
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective library for `device`: NCCL on CUDA, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class TensorParallelGroup:
+    """One rank's membership of the group (the default torch.distributed group)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        device: torch.device,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend_for(device),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place; returns it."""
+        dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's `tensor` (same shape and dtype), in place."""
+        dist.broadcast(tensor, src=0)
+        return tensor
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TensorParallelRank:
+    """What a model runner of one rank needs: its layout, model, and the step transfer."""
+
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self.group = group
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self.layout: ShardLayout | None = None
+        self.followers: list[subprocess.Popen] = []  # the rank processes rank 0 started
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """This rank's model shape (refuses a size the model cannot be split by)."""
+        self.layout = shard_layout(config, self.world_size, self.rank)
+        return local_model_config(config, self.layout)
+
+    def build_model(
+        self,
+        config: ModelConfig,
+        *,
+        weights_dir: Path | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+    ) -> nn.Module:
+        """This rank's model of the full model `config`, its row-parallel sums on the group."""
+        self.layout = shard_layout(config, self.world_size, self.rank)
+        return build_sharded_model(
+            config,
+            self.layout,
+            weights_dir=weights_dir,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            all_reduce=self.group.all_reduce,
+        )
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """The KV block count every rank can hold (rank 0's block manager uses this many)."""
+        return self.group.min_int(num_blocks)
+
+    # ---- the step transfer ----------------------------------------------------------------
+    def send_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        """Rank 0: give the other ranks this step's inputs (before its forward)."""
+        tables = metadata.block_tables
+        header = [
+            OP_STEP,
+            input_ids.numel(),
+            tables.shape[0],
+            tables.shape[1],
+            metadata.max_query_len,
+            metadata.max_seq_len,
+            int(metadata.is_pure_decode),
+            metadata.logits_indices.numel(),
+            metadata.block_size,
+        ]
+        device = self.group.device
+        self.group.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
+        parts = (
+            input_ids,
+            positions,
+            metadata.slot_mapping,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.context_lens,
+            metadata.logits_indices,
+            tables.reshape(-1),
+        )
+        payload = torch.cat([part.to(device=device, dtype=torch.int64) for part in parts])
+        self.group.broadcast(payload)
+
+    def send_stop(self) -> None:
+        """Rank 0: tell the other ranks to leave their step loop."""
+        header = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=self.group.device)
+        header[0] = OP_STOP
+        self.group.broadcast(header)
+
+    def receive_step(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
+        """Ranks 1..N-1: the next step's inputs from rank 0, or None when told to stop."""
+        device = self.group.device
+        header_tensor = torch.empty(HEADER_SIZE, dtype=torch.int64, device=device)
+        self.group.broadcast(header_tensor)
+        header = header_tensor.tolist()
+        if header[0] == OP_STOP:
+            return None
+        _, tokens, seqs, width, max_query, max_seq, pure_decode, logits, block_size = header
+        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs, logits, seqs * width]
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+        self.group.broadcast(payload)
+        ids, positions, slots, starts, seq_lens, context_lens, rows, tables = payload.split(sizes)
+        int32 = torch.int32
+        starts_host = starts.tolist()
+        metadata = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=starts.to(int32),
+            seq_lens=seq_lens.to(int32),
+            context_lens=context_lens.to(int32),
+            block_tables=tables.to(int32).view(seqs, width),
+            max_query_len=max_query,
+            max_seq_len=max_seq,
+            is_pure_decode=bool(pure_decode),
+            logits_indices=rows,
+            block_size=block_size,
+            query_start_loc_host=starts_host,
+            seq_lens_host=seq_lens.tolist(),
+            context_lens_host=context_lens.tolist(),
+        )
+        return ids, positions, metadata
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks, wait for their processes; any rank: leave the group."""
+        if self.rank == 0 and self.followers:
+            try:
+                self.send_stop()
+            except RuntimeError as exc:  # a rank already gone: its process is reaped below
+                logger.warning("tensor-parallel ranks not told to stop: %s", exc)
+            for process in self.followers:
+                try:
+                    process.wait(timeout=30)
+                except Exception:  # noqa: BLE001 - a rank that does not leave is killed
+                    process.kill()
+            self.followers = []
+        self.group.close()

@@ -1,0 +1,81 @@
+"""Ranks 1..N-1 of a tensor-parallel engine: build this rank's model, then run rank 0's steps.
+
+Started by launch.py with the engine config as JSON. The rank holds its shard of the weights
+and of the KV cache, receives each step's inputs from rank 0 (group.py) and runs the same
+forward, meeting rank 0 at every all-reduce; it samples nothing. It leaves when rank 0 says
+stop, and exits at once when its parent (rank 0's process) is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from services.common.model_files import resolve_model
+from services.engine.config import EngineConfig
+from services.engine.model_runner import BaseModelRunner
+from services.engine.parallel.group import TensorParallelGroup, TensorParallelRank
+from services.engine.parallel.launch import build_rank_runner, rank_device
+
+logger = logging.getLogger("services.engine.parallel.rank")
+PARENT_CHECK_S = 1.0
+
+
+@torch.inference_mode()
+def serve_steps(runner: BaseModelRunner, tensor_parallel: TensorParallelRank) -> int:
+    """Run rank 0's steps until it says stop; how many ran."""
+    steps = 0
+    while (step := tensor_parallel.receive_step()) is not None:
+        input_ids, positions, metadata = step
+        runner.backend.prepare(metadata)
+        runner.model(input_ids, positions, metadata)
+        steps += 1
+    return steps
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """Leave at once when the parent process is gone (rank 0 killed: no stop will come)."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(PARENT_CHECK_S)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--engine-config", required=True, help="EngineConfig as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"rank {args.rank} %(levelname)s %(message)s")
+    exit_with_parent(args.parent_pid)
+    config = EngineConfig(**json.loads(args.engine_config))
+    files = resolve_model(config.model)
+    group = TensorParallelGroup(
+        rank=args.rank,
+        world_size=args.world_size,
+        init_method=args.init_method,
+        device=torch.device(rank_device(config, args.rank)),
+    )
+    tensor_parallel = TensorParallelRank(group)
+    runner = build_rank_runner(config, files, tensor_parallel)
+    steps = serve_steps(runner, tensor_parallel)
+    logger.info("stopped after %d steps", steps)
+    group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

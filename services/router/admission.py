@@ -58,6 +58,17 @@ class AdmissionQueue:
     def queued_tokens(self) -> int:
         return self._tokens
 
+    def ahead_of(self, priority: int) -> tuple[int, int]:
+        """(requests, prompt tokens) queued that go before a new request of `priority`."""
+        if not self._live:
+            return 0, 0
+        count = tokens = 0
+        for request in self._live.values():
+            if request.priority <= priority:
+                count += 1
+                tokens += request.num_prompt_tokens
+        return count, tokens
+
     def retry_after_s(self) -> float:
         """How long a rejected client should wait before trying again."""
         if self._dispatch_rate <= 0.0:

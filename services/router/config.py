@@ -49,6 +49,12 @@ class RouterConfig:
     retry_after_s: float = field(
         1.0, help="seconds suggested to a rejected client (retry-after trailer), at least"
     )
+    max_queue_delay_s: float = field(
+        3.0,
+        help="refuse a request at once (RESOURCE_EXHAUSTED + retry-after) when, by the engines' "
+        "reported load and measured rates, it could not start within this many seconds; per "
+        "priority (0: off; services/router/queue_delay.py)",
+    )
     shutdown_grace_s: float = field(
         30.0, help="seconds in-flight requests may take to finish on SIGTERM"
     )
@@ -130,7 +136,13 @@ class RouterConfig:
                 raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}")
         if self.max_inflight_per_engine < 0:
             raise InvalidArgumentError("max_inflight_per_engine must be >= 0")
-        for name in ("retry_after_s", "shutdown_grace_s", "tokenize_timeout_s", "ready_wait_s"):
+        for name in (
+            "retry_after_s",
+            "max_queue_delay_s",
+            "shutdown_grace_s",
+            "tokenize_timeout_s",
+            "ready_wait_s",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value}")

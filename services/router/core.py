@@ -37,6 +37,7 @@ from services.router.dispatch import DispatchPolicy, LeastLoadedPolicy
 from services.router.engine_pool import EnginePool
 from services.router.idempotency import IdempotencyCache
 from services.router.pacing import StreamPacing
+from services.router.queue_delay import QueueDelayGate
 from services.router.rate_limit import RateLimiter
 from services.router.request import RequestState, RouterRequest
 from services.router.streaming import OutputStreamer
@@ -66,6 +67,9 @@ class RouterCore:
             config.max_queued_requests,
             config.max_queued_tokens,
             min_retry_after_s=config.retry_after_s,
+        )
+        self.delay_gate = QueueDelayGate(
+            config.max_queue_delay_s, min_retry_after_s=config.retry_after_s
         )
         self.policy = policy or LeastLoadedPolicy()
         # `check(metadata)` raises UNAUTHENTICATED or returns the caller (key_id, limits) or None.
@@ -191,6 +195,7 @@ class RouterCore:
         if message.adapter and message.adapter not in self.known_adapters():
             raise NotFoundError(f"unknown adapter {message.adapter[:MAX_REQUEST_ID_CHARS]!r}")
         self.queue.check_room(0)  # reject at once, before the tokenizer round trip
+        self.delay_gate.check(self.pool.ready_connections(), *self.queue.ahead_of(message.priority))
         deadline = None if time_remaining is None else arrival + time_remaining
         engines = self.pool.capacities()
         max_model_len = min(e.max_model_len for e in engines)

@@ -48,6 +48,7 @@ class EngineConnection:
         self.address = address
         self.capacity = EngineCapacity(engine_id=address, max_inflight=max_inflight)
         self.info: engine_pb2.EngineInfo | None = None
+        self.last_load: engine_pb2.EngineLoad | None = None  # for router/queue_delay.py
         self._on_step = on_step
         self._on_lost = on_lost
         self._on_ready = on_ready
@@ -162,6 +163,7 @@ class EngineConnection:
                 raise UnavailableError("engine session closed by the engine")
             load = step.load
             capacity.free_blocks = load.free_blocks
+            self.last_load = load
             if load.total_blocks:
                 capacity.total_blocks = load.total_blocks
             capacity.reserved_blocks = 0

@@ -5,6 +5,9 @@ hold the router's memory hostage. A request over either bound is rejected at onc
 RESOURCE_EXHAUSTED and a retry-after hint (the time the queue needs to drain at its recent
 dispatch rate, never below the configured floor). Order: lower priority value first, then
 arrival. Removal of a cancelled or expired request is O(1) (lazy deletion in the heap).
+Beside the one order, each LoRA adapter (and the base model, adapter "") has its own queue in
+the same order: `heads()` gives each adapter's first request and `take` removes any request, so
+the LoRA batcher (lora_batcher.py) serves adapters without one blocking another.
 Plain Python: no gRPC, no torch, so the policy is unit-tested in milliseconds.
 """
 
@@ -42,6 +45,8 @@ class AdmissionQueue:
         self.max_tokens = max_tokens
         self.min_retry_after_s = min_retry_after_s
         self._heap: list[tuple[int, int, Queueable]] = []
+        self._groups: dict[str, list[tuple[int, int, Queueable]]] = {}  # adapter -> its heap
+        self._group_sizes: dict[str, int] = {}
         self._live: dict[int, Queueable] = {}  # id(request) -> request
         self._counter = itertools.count()
         self._tokens = 0
@@ -102,15 +107,50 @@ class AdmissionQueue:
         self.check_room(request.num_prompt_tokens)
         self._live[id(request)] = request
         self._tokens += request.num_prompt_tokens
-        heapq.heappush(self._heap, (request.priority, next(self._counter), request))
+        entry = (request.priority, next(self._counter), request)
+        heapq.heappush(self._heap, entry)
+        adapter = _adapter_of(request)
+        heapq.heappush(self._groups.setdefault(adapter, []), entry)
+        self._group_sizes[adapter] = self._group_sizes.get(adapter, 0) + 1
 
     def remove(self, request: Queueable) -> bool:
         """Take a request out (cancelled, expired); False when it was not queued."""
         if self._live.pop(id(request), None) is None:
             return False
         self._tokens -= request.num_prompt_tokens
+        self._shrink_group(request)
         self._trim()
         return True
+
+    def take(self, request: Queueable) -> None:
+        """Take out a request being dispatched, wherever it is in the order."""
+        if self.remove(request):
+            self._note_dispatch()
+
+    def heads(self) -> list[tuple[tuple[int, int], Queueable]]:
+        """Each adapter's first request with its order key (priority, arrival), in order."""
+        heads = []
+        for adapter in list(self._groups):
+            head = self.head(adapter)
+            if head is not None:
+                heads.append(head)
+        heads.sort(key=lambda item: item[0])
+        return heads
+
+    def head(self, adapter: str) -> tuple[tuple[int, int], Queueable] | None:
+        """The adapter's first request with its order key, or None when none is queued."""
+        group = self._groups.get(adapter)
+        while group and id(group[0][2]) not in self._live:
+            heapq.heappop(group)
+        if not group:
+            self._groups.pop(adapter, None)
+            return None
+        priority, sequence, request = group[0]
+        return (priority, sequence), request
+
+    def depth_by_adapter(self) -> dict[str, int]:
+        """Queued requests per adapter ("" for the base model)."""
+        return dict(self._group_sizes)
 
     def peek(self) -> Queueable | None:
         self._trim()
@@ -122,6 +162,7 @@ class AdmissionQueue:
         _, _, request = heapq.heappop(self._heap)
         del self._live[id(request)]
         self._tokens -= request.num_prompt_tokens
+        self._shrink_group(request)
         self._note_dispatch()
         return request
 
@@ -137,6 +178,15 @@ class AdmissionQueue:
             self.remove(request)
         return expired
 
+    def _shrink_group(self, request: Queueable) -> None:
+        adapter = _adapter_of(request)
+        left = self._group_sizes.get(adapter, 0) - 1
+        if left > 0:
+            self._group_sizes[adapter] = left
+        else:
+            self._group_sizes.pop(adapter, None)
+            self._groups.pop(adapter, None)
+
     def _trim(self) -> None:
         heap = self._heap
         while heap and id(heap[0][2]) not in self._live:
@@ -151,3 +201,8 @@ class AdmissionQueue:
             rate = 1.0 / interval
             self._dispatch_rate = 0.9 * self._dispatch_rate + 0.1 * rate
         self._last_pop = now
+
+
+def _adapter_of(request: Queueable) -> str:
+    """The request's LoRA adapter ("" for the base model, or for items that name none)."""
+    return getattr(request, "adapter", "") or ""

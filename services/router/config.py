@@ -101,6 +101,19 @@ class RouterConfig:
     )
     reconnect_min_backoff_s: float = field(0.1, help="first reconnect delay to a lost service, s")
     reconnect_max_backoff_s: float = field(1.0, help="longest reconnect delay to a lost service, s")
+    lora_max_wait_s: float = field(
+        2.0,
+        help="seconds a request may wait for its LoRA adapter to get a slot before an engine is "
+        "made to exchange an adapter for it (bounds the wait of rare adapters; docs/lora.md)",
+    )
+    lora_swap_cost_s: float = field(
+        0.05,
+        help="estimated seconds to load an adapter on an engine, until the engine's loads have "
+        "been measured; a request waits up to this long for an engine that holds its adapter",
+    )
+    adapter_inspect_timeout_s: float = field(
+        30.0, help="seconds an engine may take to check an adapter being registered"
+    )
     metrics_port: int | None = field(None, help="serve Prometheus /metrics on this port")
     http_port: int | None = field(
         None,
@@ -142,11 +155,17 @@ class RouterConfig:
             "shutdown_grace_s",
             "tokenize_timeout_s",
             "ready_wait_s",
+            "lora_swap_cost_s",
         ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value}")
-        for name in ("registry_poll_s", "idempotency_ttl_s"):
+        for name in (
+            "registry_poll_s",
+            "idempotency_ttl_s",
+            "lora_max_wait_s",
+            "adapter_inspect_timeout_s",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}")

@@ -34,13 +34,17 @@ def tokenize_item(
 
 
 def submit_pb(request: RouterRequest) -> engine_pb2.SubmitRequest:
-    return engine_pb2.SubmitRequest(
+    """The engine's submit; an adapter's goes with its registered spec (what to load)."""
+    submit = engine_pb2.SubmitRequest(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
         params=sampling_params_to_pb(request.params),
         adapter=request.adapter,
         priority=request.priority,
     )
+    if request.adapter_record is not None:
+        submit.adapter_spec.CopyFrom(request.adapter_record.to_pb())
+    return submit
 
 
 def detokenize_options(request: RouterRequest) -> tokenizer_pb2.DetokenizeOptions:

@@ -2,7 +2,8 @@
 
 `RouterCore` ties the parts together without owning their logic: the `AdmissionQueue` bounds
 what waits, the `DispatchPolicy` places it on engines, the `EnginePool` streams it there, the
-`OutputStreamer` brings text back, and every request's resources (queue entry, engine slot,
+`OutputStreamer` brings text back, the `AdapterRegistry` says which LoRA adapters requests may
+name (and what engines load for them), and every request's resources (queue entry, engine slot,
 engine sequence, detokenizer state) are released exactly once in `end_request`. It runs on
 one asyncio loop; nothing here blocks. The servicer (server.py) only converts and awaits.
 """
@@ -28,14 +29,16 @@ from services.common.errors import (
 from services.common.protocol.codec import sampling_params_from_pb
 from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
 from services.router import metrics
+from services.router.adapter_registry import AdapterRegistry
 from services.router.admission import AdmissionQueue
 from services.router.auth import ApiKeyAuthenticator
 from services.router.config import RouterConfig
 from services.router.convert import submit_pb, tokenize_item
 from services.router.discovery import EngineDiscovery, StaticDiscovery
-from services.router.dispatch import DispatchPolicy, LeastLoadedPolicy
+from services.router.dispatch import DispatchPolicy
 from services.router.engine_pool import EnginePool
 from services.router.idempotency import IdempotencyCache
+from services.router.lora_batcher import LoraAwarePolicy
 from services.router.pacing import StreamPacing
 from services.router.queue_delay import QueueDelayGate
 from services.router.rate_limit import RateLimiter
@@ -61,6 +64,7 @@ class RouterCore:
         authenticator: Any = None,
         rate_limiter: RateLimiter | None = None,
         idempotency: IdempotencyCache | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.config = config
         self.queue = AdmissionQueue(
@@ -71,7 +75,11 @@ class RouterCore:
         self.delay_gate = QueueDelayGate(
             config.max_queue_delay_s, min_retry_after_s=config.retry_after_s
         )
-        self.policy = policy or LeastLoadedPolicy()
+        self.policy = policy or LoraAwarePolicy(
+            max_wait_s=config.lora_max_wait_s, swap_cost_s=config.lora_swap_cost_s
+        )
+        self.adapters = adapters if adapters is not None else AdapterRegistry()
+        metrics.ADAPTER_GAUGES.bind(self._adapter_report)
         # `check(metadata)` raises UNAUTHENTICATED or returns the caller (key_id, limits) or None.
         self.auth = authenticator or ApiKeyAuthenticator.from_file(config.api_keys_file)
         self.rate_limiter = rate_limiter
@@ -137,6 +145,7 @@ class RouterCore:
                 request.flush_held(held_before)
 
     async def close(self) -> None:
+        metrics.ADAPTER_GAUGES.unbind(self._adapter_report)
         if self._pacer is not None:
             self._pacer.cancel()
         for request in list(self.active):
@@ -192,8 +201,14 @@ class RouterCore:
             raise InvalidArgumentError(
                 f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters"
             )
-        if message.adapter and message.adapter not in self.known_adapters():
-            raise NotFoundError(f"unknown adapter {message.adapter[:MAX_REQUEST_ID_CHARS]!r}")
+        adapter_record = None
+        if message.adapter:
+            adapter_record = await self.adapters.lookup(message.adapter)
+            if adapter_record is None:
+                raise NotFoundError(
+                    f"unknown adapter {message.adapter[:MAX_REQUEST_ID_CHARS]!r} (see "
+                    "`sluice adapters list`)"
+                )
         self.queue.check_room(0)  # reject at once, before the tokenizer round trip
         self.delay_gate.check(self.pool.ready_connections(), *self.queue.ahead_of(message.priority))
         deadline = None if time_remaining is None else arrival + time_remaining
@@ -223,6 +238,7 @@ class RouterCore:
             prompt_token_ids=prompt_ids,
             params=params,
             adapter=message.adapter,
+            adapter_record=adapter_record,
             priority=message.priority,
             deadline=deadline,
             arrival=arrival,
@@ -268,10 +284,8 @@ class RouterCore:
             raise UnavailableError("no engine is ready")
 
     def known_adapters(self) -> set[str]:
-        adapters: set[str] = set()
-        for capacity in self.pool.capacities():
-            adapters.update(capacity.resident_adapters)
-        return adapters
+        """The names requests may use: the registered adapters."""
+        return self.adapters.names()
 
     # ---- dispatch ----------------------------------------------------------------------------
     def schedule_dispatch(self) -> None:
@@ -311,6 +325,8 @@ class RouterCore:
             connection = self.pool.get(request.engine_id)
             if connection is not None and connection.capacity.inflight > 0:
                 connection.capacity.inflight -= 1
+            if connection is not None and request.adapter:
+                connection.capacity.release_adapter(request.adapter)
 
     def end_request(self, request: RouterRequest, error: SluiceError | None) -> None:
         """Release everything the request holds; fail it with `error` if it is still open."""
@@ -385,6 +401,17 @@ class RouterCore:
             if self.on_readiness is not None:
                 self.on_readiness(serving)
         self.capacity_changed()
+
+    def _adapter_report(self) -> metrics.AdapterReport:
+        """Per-adapter queue depth and residency for a Prometheus scrape (another thread)."""
+        resident: dict[str, int] = {}
+        for connection in list(self.pool.connections.values()):
+            if connection.ready:
+                for name in connection.capacity.resident_adapters:
+                    resident[name] = resident.get(name, 0) + 1
+        return metrics.AdapterReport(
+            sorted(self.adapters.names()), dict(self.queue.depth_by_adapter()), resident
+        )
 
     def _update_queue_gauges(self) -> None:
         metrics.ROUTER_QUEUE_DEPTH_REQUESTS.set(len(self.queue))

@@ -4,9 +4,9 @@ The servicer admits requests into the `AdmissionQueue`; the engine pool streams 
 engines; between the two a `DispatchPolicy` decides placement from each engine's reported
 capacity. `LeastLoadedPolicy` sends the next request in queue order to the engine with the
 most free capacity, and holds it in the router while no engine has room, so the queue bound,
-priorities and deadlines stay meaningful. A LoRA-aware batcher fits behind the same `schedule`
-(per-adapter queues, adapter residency, slot caps) without touching the servicer or the engine
-pool. Plain Python: no gRPC, no torch.
+priorities and deadlines stay meaningful. The router's default, `LoraAwarePolicy`
+(lora_batcher.py), fits behind the same `schedule` (per-adapter queues, adapter residency, slot
+caps) without touching the servicer or the engine pool. Plain Python: no gRPC, no torch.
 """
 
 from __future__ import annotations
@@ -32,6 +32,14 @@ class EngineCapacity:
     inflight: int = 0  # requests placed here and not finished
     max_inflight: int = 0  # 0: max_num_seqs
     resident_adapters: tuple[str, ...] = field(default_factory=tuple)
+    # LoRA: device slots (0: not reported, no cap), adapters loading now, requests in flight
+    # here per adapter (base-model requests are not counted), and the measured time an adapter
+    # takes to become resident here (0: not measured yet).
+    lora_slots: int = 0
+    loading_adapters: tuple[str, ...] = field(default_factory=tuple)
+    adapters_inflight: dict[str, int] = field(default_factory=dict)
+    adapter_load_s: float = 0.0
+    _loading_since: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def slot_limit(self) -> int:
@@ -57,6 +65,48 @@ class EngineCapacity:
         if self.inflight == 0:
             return True
         return self.blocks_for(num_prompt_tokens) <= self.available_blocks
+
+    def take(self, num_prompt_tokens: int, adapter: str = "") -> None:
+        """Count a request placed here (one call of a policy may place many)."""
+        self.inflight += 1
+        self.reserved_blocks += self.blocks_for(num_prompt_tokens)
+        if adapter:
+            self.adapters_inflight[adapter] = self.adapters_inflight.get(adapter, 0) + 1
+
+    def release_adapter(self, adapter: str) -> None:
+        """A request of `adapter` placed here finished (a no-op for the base model)."""
+        count = self.adapters_inflight.get(adapter, 0)
+        if count > 1:
+            self.adapters_inflight[adapter] = count - 1
+        else:
+            self.adapters_inflight.pop(adapter, None)
+
+    def warm(self, adapter: str) -> bool:
+        """The adapter is resident, loading, or in flight here: placing it costs no new load."""
+        return (
+            adapter in self.adapters_inflight
+            or adapter in self.resident_adapters
+            or adapter in self.loading_adapters
+        )
+
+    def note_adapters(
+        self, resident: tuple[str, ...], loading: tuple[str, ...], lora_slots: int, now: float
+    ) -> None:
+        """Take an engine's adapter report; time each adapter from loading to resident."""
+        self.lora_slots = lora_slots
+        for adapter in loading:
+            self._loading_since.setdefault(adapter, now)
+        for adapter in list(self._loading_since):
+            if adapter in loading:
+                continue
+            started = self._loading_since.pop(adapter)
+            if adapter in resident:
+                took = now - started
+                self.adapter_load_s = (
+                    took if self.adapter_load_s <= 0 else 0.8 * self.adapter_load_s + 0.2 * took
+                )
+        self.resident_adapters = resident
+        self.loading_adapters = loading
 
     def score(self) -> float:
         """Free capacity in [0, 1]: the tighter of free slots and free KV blocks."""
@@ -100,7 +150,6 @@ class LeastLoadedPolicy:
                 break
             best = max(candidates, key=lambda e: (e.score(), -e.inflight, e.engine_id))
             queue.pop()
-            best.inflight += 1
-            best.reserved_blocks += best.blocks_for(prompt_tokens)
+            best.take(prompt_tokens, getattr(request, "adapter", ""))
             placements.append(Placement(request, best.engine_id))
         return placements

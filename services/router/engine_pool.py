@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
 
-from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
+from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common import errors
 from services.common.errors import UnavailableError
 from services.common.grpc_channel import open_channel
 from services.router.discovery import EngineDiscovery
@@ -83,6 +85,16 @@ class EngineConnection:
         self._submits.append(submit)
         self._outbox_ready.set()
 
+    async def inspect_adapter(
+        self, name: str, path: str, timeout_s: float
+    ) -> common_pb2.AdapterSpec:
+        """The engine's check of an adapter directory (its status comes back as a SluiceError)."""
+        request = engine_pb2.InspectAdapterRequest(name=name, path=path)
+        try:
+            return await self._stub.InspectAdapter(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _sluice_error(exc, self.address) from None
+
     def abort(self, request_id: str) -> None:
         if not self.capacity.ready:
             return  # the engine aborts everything of a dropped session itself
@@ -128,7 +140,13 @@ class EngineConnection:
         capacity.free_blocks = info.load.free_blocks if info.HasField("load") else info.num_blocks
         capacity.reserved_blocks = 0
         capacity.inflight = 0
-        capacity.resident_adapters = tuple(info.load.resident_adapters)
+        capacity.adapters_inflight = {}
+        capacity.note_adapters(
+            tuple(info.load.resident_adapters),
+            tuple(info.load.loading_adapters),
+            info.max_loras or info.load.lora_slots,
+            time.monotonic(),
+        )
         self._submits.clear()
         self._aborts.clear()
         capacity.ready = True
@@ -167,8 +185,13 @@ class EngineConnection:
             if load.total_blocks:
                 capacity.total_blocks = load.total_blocks
             capacity.reserved_blocks = 0
-            if load.resident_adapters:
-                capacity.resident_adapters = tuple(load.resident_adapters)
+            if load.lora_slots or load.resident_adapters:
+                capacity.note_adapters(
+                    tuple(load.resident_adapters),
+                    tuple(load.loading_adapters),
+                    load.lora_slots,
+                    time.monotonic(),
+                )
             on_step(engine_id, step)
 
 
@@ -233,6 +256,27 @@ class EnginePool:
         for connection in list(self.connections.values()):
             await connection.close()
         self.connections.clear()
+
+
+_STATUS_ERRORS = {
+    "INVALID_ARGUMENT": errors.InvalidArgumentError,
+    "NOT_FOUND": errors.NotFoundError,
+    "FAILED_PRECONDITION": errors.FailedPreconditionError,
+    "ALREADY_EXISTS": errors.AlreadyExistsError,
+    "RESOURCE_EXHAUSTED": errors.ResourceExhaustedError,
+    "DEADLINE_EXCEEDED": errors.DeadlineExceededError,
+}
+
+
+def _sluice_error(exc: grpc.aio.AioRpcError, address: str) -> errors.SluiceError:
+    """An engine's answer as the error the router gives its own caller."""
+    code = exc.code().name
+    error_type = _STATUS_ERRORS.get(code)
+    if error_type is not None:
+        return error_type(exc.details() or code)
+    if code == "UNIMPLEMENTED":
+        return errors.FailedPreconditionError(f"engine {address} cannot check adapters")
+    return UnavailableError(f"engine {address} could not check the adapter: {code}")
 
 
 def _describe(exc: BaseException) -> str:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from protos.sluice.v1 import router_pb2
 from services.common.errors import DeadlineExceededError, SluiceError
 from services.router import metrics
+from services.router.adapter_admin import adapter_infos
 from services.router.convert import response_pb
 from services.router.core import RouterCore
 from services.router.idempotency import ClaimKind, payload_hash, scoped_id
@@ -126,6 +127,5 @@ def list_models(core: RouterCore, metadata: Metadata) -> router_pb2.ListModelsRe
         context_length=min(c.info.max_model_len for c in connections),
         vocab_size=info.vocab_size,
     )
-    for name in sorted(core.known_adapters()):
-        model.adapters.add(name=name)
+    model.adapters.extend(adapter_infos(core))
     return response

@@ -19,11 +19,18 @@ and streaming code and served by `services.common.metrics.start_metrics_server`.
   phases in ``FIRST_TOKEN_PHASES``.
 - ``ROUTER_INTER_TOKEN_LATENCY`` histogram `sluice_router_inter_token_latency_seconds`.
 - ``ROUTER_END_TO_END_LATENCY`` histogram `sluice_router_end_to_end_latency_seconds`.
+- ``ADAPTER_GAUGES`` (`AdapterGauges`, computed at scrape time) gauges
+  `sluice_router_adapter_queue_depth_requests{adapter}` and
+  `sluice_router_adapter_resident_engines{adapter}`: per registered LoRA adapter.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from services.common.metrics import INTER_TOKEN_BUCKETS_S, LATENCY_BUCKETS_S
 
@@ -96,3 +103,66 @@ ROUTER_END_TO_END_LATENCY = Histogram(
     "From the request's arrival at the router to its last response.",
     buckets=LATENCY_BUCKETS_S,
 )
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """What the adapter gauges show: registered names, queued requests and resident engines."""
+
+    adapters: list[str]
+    queued: dict[str, int]
+    resident_engines: dict[str, int]
+
+
+class AdapterGauges:
+    """Per-adapter gauges computed when Prometheus scrapes, so requests pay nothing for them.
+
+    `sluice_router_adapter_queue_depth_requests{adapter}`: requests of the adapter waiting in
+    the router; `sluice_router_adapter_resident_engines{adapter}`: engines holding it in a device
+    slot. One series per registered adapter; a removed adapter's series go with it.
+    """
+
+    def __init__(self) -> None:
+        self._source: Callable[[], AdapterReport] | None = None
+
+    def bind(self, source: Callable[[], AdapterReport]) -> None:
+        self._source = source
+
+    def unbind(self, source: Callable[[], AdapterReport]) -> None:
+        if self._source == source:
+            self._source = None
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return self._families(None)
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        source = self._source
+        report = None
+        if source is not None:
+            try:
+                report = source()
+            except RuntimeError:  # the router changed a table while this thread read it
+                report = None
+        return self._families(report)
+
+    @staticmethod
+    def _families(report: AdapterReport | None) -> list[GaugeMetricFamily]:
+        depth = GaugeMetricFamily(
+            "sluice_router_adapter_queue_depth_requests",
+            "Requests of a LoRA adapter waiting in the router for an engine.",
+            labels=["adapter"],
+        )
+        resident = GaugeMetricFamily(
+            "sluice_router_adapter_resident_engines",
+            "Engines where a LoRA adapter is resident in a device slot.",
+            labels=["adapter"],
+        )
+        if report is not None:
+            for name in report.adapters:
+                depth.add_metric([name], report.queued.get(name, 0))
+                resident.add_metric([name], report.resident_engines.get(name, 0))
+        return [depth, resident]
+
+
+ADAPTER_GAUGES = AdapterGauges()
+REGISTRY.register(ADAPTER_GAUGES)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.errors import SluiceError
+from services.common.protocol.adapter_record import AdapterRecord
 from services.common.protocol.sampling_params import SamplingParams
 from services.router.pacing import StreamPacing
 
@@ -71,6 +72,7 @@ class RouterRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str = ""
+    adapter_record: AdapterRecord | None = None  # the registered adapter, as of admission
     priority: int = 0
     deadline: float | None = None  # time.monotonic() seconds
     arrival: float = field(default_factory=time.monotonic)

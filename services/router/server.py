@@ -25,7 +25,7 @@ from services.common.config import describe
 from services.common.errors import SluiceError
 from services.common.grpc_server import RunningServer, start_server
 from services.common.metrics import start_metrics_server
-from services.router import generation
+from services.router import adapter_admin, generation
 from services.router.config import RouterConfig, RouterSettings
 from services.router.core import RouterCore
 from services.router.openai_http.app import HttpFront
@@ -73,6 +73,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.ListModelsResponse:
         return generation.list_models(self.core, context.invocation_metadata())
 
+    async def AddAdapter(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.AddAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.AdapterInfo:
+        return await adapter_admin.add_adapter(self.core, request, context.invocation_metadata())
+
+    async def ListAdapters(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListAdaptersResponse:
+        return adapter_admin.list_adapters(self.core, context.invocation_metadata())
+
+    async def RemoveAdapter(  # noqa: N802 - gRPC method name
+        self, request: router_pb2.RemoveAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.AdapterInfo:
+        return await adapter_admin.remove_adapter(self.core, request, context.invocation_metadata())
+
 
 async def _send_headers(context: grpc.aio.ServicerContext) -> None:
     with contextlib.suppress(Exception):  # the call ended first: nothing left to tell
@@ -94,6 +109,7 @@ async def start(
         core_options.setdefault("authenticator", shared.authenticator)
         core_options.setdefault("rate_limiter", shared.rate_limiter)
         core_options.setdefault("idempotency", shared.idempotency)
+        core_options.setdefault("adapters", shared.adapters)
     core = RouterCore(config, **core_options)
     servicer = RouterServicer(core)
     server = await start_server(

@@ -2,11 +2,11 @@
 
 `SharedState.open(settings)` wires the shared-state pieces for one router process: the store
 (Redis, or an in-memory fallback without --redis-url), the engine registry (discovery of engines
-that join and leave), API keys kept in Redis (mirrored locally, next to --api-keys-file), per-key
-rate limits and the idempotency cache (request ids are idempotent only with a shared Redis).
-While Redis is unreachable every piece serves from its last view or local fallback and
-`degraded` is True; `on_degraded(cb)` reports changes so the server can publish them on a named
-health service. Nothing here blocks the event loop.
+that join and leave), the LoRA adapter registry, API keys kept in Redis (mirrored locally, next
+to --api-keys-file), per-key rate limits and the idempotency cache (request ids are idempotent
+only with a shared Redis). While Redis is unreachable every piece serves from its last view or
+local fallback and `degraded` is True; `on_degraded(cb)` reports changes so the server can
+publish them on a named health service. Nothing here blocks the event loop.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import UnauthenticatedError
 from services.common.redis_store import RedisStore, SharedStore, open_store
+from services.router.adapter_registry import AdapterRegistry
 from services.router.api_keys import ApiKeyRecord, ApiKeyStore, MirroredKeyAuthenticator
 from services.router.auth import ApiKeyAuthenticator, extract_key
 from services.router.config import RouterSettings
@@ -89,8 +90,10 @@ class SharedState:
         *,
         registry: EngineRegistry | None,
         idempotency_ttl_s: float,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.store = store
+        self.adapters = adapters if adapters is not None else AdapterRegistry(store)
         self.discovery = discovery
         self.authenticator = authenticator
         self.registry = registry
@@ -118,12 +121,15 @@ class SharedState:
         authenticator = CombinedAuthenticator(
             ApiKeyAuthenticator.from_file(config.api_keys_file), redis_keys
         )
+        adapters = AdapterRegistry(store, refresh_s=max(config.registry_poll_s, 0.05))
+        await adapters.start()
         return cls(
             store,
             discovery,
             authenticator,
             registry=registry,
             idempotency_ttl_s=config.idempotency_ttl_s,
+            adapters=adapters,
         )
 
     @property
@@ -144,4 +150,5 @@ class SharedState:
             await self.registry.stop()
         if self.authenticator.redis_keys is not None:
             await self.authenticator.redis_keys.stop()
+        await self.adapters.stop()
         await self.store.close()

@@ -195,7 +195,7 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
     from services.common.env import cache_dir
     from services.common.errors import SluiceError
     from services.common.gpus import visible_gpus
-    from services.launcher import Stack, StackConfig, plan_engine_processes
+    from services.launcher import Stack, StackConfig, describe_engines, plan_engine_processes
     from services.supervisor import RestartPolicy
 
     router_args = _flag_pairs(
@@ -245,6 +245,8 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
         return 1
     except KeyboardInterrupt:
         return 130
+    for line in describe_engines(stack.engine_addresses):  # which device and path each uses
+        print(f"sluice: {line}", file=sys.stderr, flush=True)
     print(f"Sluice router ready at {stack.router_address}", flush=True)
     if namespace.http_port:
         url = f"http://{namespace.host}:{namespace.http_port}/v1"

@@ -447,6 +447,31 @@ class Stack:
                 signal.signal(signum, handler)
 
 
+def describe_engines(addresses: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+    """One line per engine: its device, dtype, step limits and how its steps run (from Info)."""
+    import grpc
+
+    from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
+
+    lines = []
+    for address in addresses:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                info = engine_pb2_grpc.EngineStub(channel).Info(
+                    engine_pb2.EngineInfoRequest(), timeout=timeout_s
+                )
+        except grpc.RpcError as error:
+            lines.append(f"engine at {address}: no Info ({error.code().name})")
+            continue
+        lines.append(
+            f"engine at {address}: {info.model} on {info.device} ({info.dtype}), "
+            f"max_num_seqs {info.max_num_seqs}, max_num_batched_tokens "
+            f"{info.max_num_batched_tokens}, {info.num_blocks} KV blocks of {info.block_size}; "
+            f"{info.execution_path or info.backend}"
+        )
+    return lines
+
+
 def router_flags(tokenizer_address: str, engine_addresses: Sequence[str]) -> list[str]:
     """How the router is told where its tokenizer and engines are (services/router/config.py)."""
     return ["--tokenizer", tokenizer_address, "--engines", ",".join(engine_addresses)]

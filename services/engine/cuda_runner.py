@@ -102,6 +102,7 @@ class CudaModelRunner(BaseModelRunner):
         self._want_fast_path = fast_path
         self.fast = None
         self.fast_path_off_reason: str | None = None
+        self.execution_path = ""  # how steps run, in words (EngineInfo, `sluice up`'s log)
         self.graph_steps = 0
         self.eager_steps = 0
         super().__init__(model_files, **kwargs)
@@ -124,7 +125,8 @@ class CudaModelRunner(BaseModelRunner):
         if reason is not None:
             self.fast_path_off_reason = reason
             self.capabilities = RunnerCapabilities(greedy_ids=True)
-            return f"CUDA fast path off ({reason})"
+            self.execution_path = f"CUDA fast path off ({reason}): {self.backend_name} ops"
+            return self.execution_path
         from services.engine.backends.cuda_fast_path import CudaFastPath
 
         config = self.model_config
@@ -160,11 +162,12 @@ class CudaModelRunner(BaseModelRunner):
             overlap_max_batch=largest if self.use_cuda_graphs else 0,
             graph_batch_sizes=self.fast.graphs.buckets if self.use_cuda_graphs else (),
         )
-        return (
+        self.execution_path = (
             f"CUDA fast path: graphs {'on' if self.use_cuda_graphs else 'off'} for buckets "
             f"{self.fast.graphs.buckets}, skinny matmuls {len(self.fast.skinny_choices)} "
             f"({tuned})"
         )
+        return self.execution_path
 
     def _tune_skinny_matmuls(self) -> str:
         """Bind the skinny-matmul choices saved for this GPU, shape, dtype and kernel code

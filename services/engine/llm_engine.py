@@ -69,6 +69,7 @@ class EngineInfo:
     backend: str
     device: str
     dtype: str
+    execution_path: str = ""  # how steps run (the runner's `execution_path`), for the logs
 
 
 class LLMEngine(OverlappedSteps):
@@ -130,6 +131,9 @@ class LLMEngine(OverlappedSteps):
             backend=config.backend,
             device=str(model_runner.device),
             dtype=str(model_runner.dtype).removeprefix("torch."),
+            execution_path=str(
+                getattr(model_runner, "execution_path", "") or f"{config.backend} ops"
+            ),
         )
         self._eos = frozenset(eos)
         self._max_model_len = max_model_len

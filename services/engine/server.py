@@ -139,6 +139,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             backend=info.backend,
             device=str(info.device),
             dtype=str(info.dtype),
+            execution_path=info.execution_path,
             load=load_to_pb(self._load) if self._load else None,
         )
 

@@ -22,6 +22,8 @@ from services.engine.lora.config import (
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 FORWARD_THREAD_POLICIES = ("normal", "idle")
+# Forward backends a tensor-parallel group runs (the exported graphs hold no collectives).
+TENSOR_PARALLEL_BACKENDS = ("torch", "cuda")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class EngineConfig:
         None, help="context length cap (default: the model's own context)"
     )
     enable_prefix_caching: bool = field(True, help="reuse KV blocks of shared prompt prefixes")
+    tensor_parallel_size: int = field(
+        1,
+        help="ranks one model is split over (attention heads, MLP width, KV cache by KV heads); "
+        "on CUDA rank r uses GPU r of those visible, on CPU the ranks are processes (gloo)",
+    )
     warm_up: bool = field(
         True,
         help="before reporting SERVING, run every step shape once (prefill sizes, every "
@@ -130,6 +137,12 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
             if self.max_model_len < 2:
                 raise InvalidArgumentError("max_model_len must be >= 2")
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.backend not in TENSOR_PARALLEL_BACKENDS:
+            raise InvalidArgumentError(
+                f"tensor_parallel_size > 1 runs the backends {TENSOR_PARALLEL_BACKENDS}, "
+                f"not {self.backend!r}"
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidArgumentError("enable_prefix_caching must be a boolean")
         if self.forward_thread_policy not in FORWARD_THREAD_POLICIES:

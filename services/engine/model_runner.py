@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -36,6 +36,9 @@ from services.engine.kv_cache import KVCache
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.loader.weights import build_model
 from services.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from services.engine.parallel.group import TensorParallelRank
 
 logger = logging.getLogger(__name__)
 
@@ -108,18 +111,26 @@ class BaseModelRunner:
         max_model_len: int | None = None,
         backend: str = "torch",
         seed: int = 0,
+        tensor_parallel: TensorParallelRank | None = None,
     ) -> None:
         self.model_files: ModelFiles | None = model_files
+        # One rank of a tensor-parallel group (services/engine/parallel/): this rank's shard of
+        # the model and of the KV cache; rank 0 sends each step's inputs to the others.
+        self.tensor_parallel = tensor_parallel
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.block_size = block_size
-        self.model_config = load_model_config(model_files, max_model_len)
+        full_config = load_model_config(model_files, max_model_len)
+        self.model_config = full_config
+        if tensor_parallel is not None:  # this rank's heads and MLP width
+            self.model_config = tensor_parallel.local_config(full_config)
         config = self.model_config
         self._prepare_device(config)
         backend_cls = get_backend(backend)  # fail fast, before loading any weights
         torch.manual_seed(seed)
-        self.model = build_model(
-            config,
+        build = build_model if tensor_parallel is None else tensor_parallel.build_model
+        self.model = build(
+            full_config,
             weights_dir=model_files.weights_dir,
             device=self.device,
             dtype=self.dtype,
@@ -139,6 +150,8 @@ class BaseModelRunner:
             gpu_memory_utilization=gpu_memory_utilization,
         )
         self.num_blocks = self.kv_cache.num_blocks
+        if tensor_parallel is not None:  # rank 0's block manager hands out what all ranks hold
+            self.num_blocks = tensor_parallel.agree_num_blocks(self.num_blocks)
         self.model.bind_attention(self.backend, self.kv_cache.layers)
         extras = self._bind_kernels()
         logger.info(
@@ -194,6 +207,8 @@ class BaseModelRunner:
         if not batch.sequences:
             return None
         input_ids, positions, metadata = self.prepare_inputs(batch)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_step(input_ids, positions, metadata)
         self.backend.prepare(metadata)
         hidden = self.model(input_ids, positions, metadata)
         if metadata.logits_indices.numel() == 0:

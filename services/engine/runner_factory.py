@@ -43,7 +43,14 @@ def runner_class(device_type: str) -> type:
 
 
 def create_model_runner(config: EngineConfig, model_files: ModelFiles) -> ModelRunner:
-    """The runner of the config's forward backend or else its device, from the engine config."""
+    """The runner of the config's forward backend or else its device, from the engine config.
+
+    With tensor_parallel_size > 1, rank 0's runner of a group it starts (parallel/launch.py).
+    """
+    if config.tensor_parallel_size > 1:
+        from services.engine.parallel.launch import create_parallel_runner
+
+        return create_parallel_runner(config, model_files)
     target = FORWARD_BACKEND_RUNNERS.get(config.backend)
     if target is not None:
         module_name, _, class_name = target.partition(":")

@@ -1,0 +1,181 @@
+"""Tensor parallelism on CPU: TP=2 over gloo in two processes gives TP=1's logits and tokens.
+
+The group is started as `sluice serve engine --tensor-parallel-size 2` starts it (LLMEngine
+builds its runner; rank 1 is a child process running rank_main), on dummy:tiny in float32.
+A TP=4 split with KV heads shared by two ranks each runs in threads of this process over the
+same runner and rank loop code, with a barrier standing in for the collectives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from services.common.errors import InvalidArgumentError
+from services.common.model_files import resolve_model
+from services.common.protocol.sampling_params import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.cpu_runner import CpuModelRunner
+from services.engine.llm_engine import LLMEngine
+from services.engine.parallel.group import TensorParallelRank
+from services.engine.parallel.launch import create_parallel_runner
+from services.engine.parallel.rank_main import serve_steps
+from tests.unit.engine.models.helpers import BlockAllocator, step
+
+BLOCK_SIZE = 16
+SETTINGS = dict(
+    model="dummy:tiny",
+    device="cpu",
+    dtype="float32",
+    block_size=BLOCK_SIZE,
+    kv_cache_bytes=1 << 20,
+    cpu_kernels=False,
+    max_num_seqs=8,
+    max_num_batched_tokens=256,
+    warm_up=False,
+)
+PROMPTS = [list(range(5, 45)), [7, 8, 9], [300, 301, 302, 303, 304, 305, 306]]
+
+
+@pytest.fixture(scope="module")
+def single() -> LLMEngine:
+    return LLMEngine(EngineConfig(**SETTINGS))
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[LLMEngine]:
+    engine = LLMEngine(EngineConfig(**SETTINGS, tensor_parallel_size=2))
+    tensor_parallel = engine.runner.tensor_parallel
+    followers = list(tensor_parallel.followers)
+    yield engine
+    tensor_parallel.close()
+    assert [process.returncode for process in followers] == [0]  # left on rank 0's stop
+
+
+def run_steps(runner, steps: int) -> list[torch.Tensor]:
+    """A prefill of every prompt, then decode steps of each greedy token; the logits of each."""
+    allocator = BlockAllocator(runner.num_blocks // 2, BLOCK_SIZE, seed=1)
+    lengths = {seq: len(tokens) for seq, tokens in enumerate(PROMPTS)}
+    pieces = [(seq, list(tokens), 0, True) for seq, tokens in enumerate(PROMPTS)]
+    results = []
+    for _ in range(steps):
+        logits = runner.execute(step(allocator, pieces))
+        results.append(logits)
+        ids = logits.argmax(-1).tolist()
+        pieces = [(seq, [ids[seq]], lengths[seq], True) for seq in lengths]
+        lengths = {seq: length + 1 for seq, length in lengths.items()}
+    return results
+
+
+def generate(engine: LLMEngine, max_tokens: int) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{index}", prompt, params)
+    tokens: dict[str, list[int]] = {f"r{index}": [] for index in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for delta in engine.step().deltas:
+            tokens[delta.request_id] += delta.new_token_ids
+    return tokens
+
+
+def test_two_ranks_give_the_logits_of_one(single: LLMEngine, pair: LLMEngine):
+    assert pair.runner.model_config.num_heads == 2  # rank 0 holds half the heads
+    assert pair.runner.model_config.num_kv_heads == 1
+    for ours, reference in zip(run_steps(pair.runner, 4), run_steps(single.runner, 4), strict=True):
+        assert ours.shape == reference.shape == (3, single.runner.model_config.vocab_size)
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_two_ranks_generate_the_greedy_tokens_of_one(single: LLMEngine, pair: LLMEngine):
+    ours = generate(pair, 12)
+    assert ours == generate(single, 12)
+    assert all(len(tokens) == 12 for tokens in ours.values())
+
+
+def test_a_size_the_model_cannot_split_is_refused_before_any_rank_starts():
+    config = EngineConfig(**SETTINGS, tensor_parallel_size=3)
+    with pytest.raises(InvalidArgumentError, match="does not divide the 4 attention heads"):
+        create_parallel_runner(config, resolve_model("dummy:tiny"))
+
+
+def test_exported_graph_backends_are_refused_with_tensor_parallelism():
+    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size > 1"):
+        EngineConfig(**{**SETTINGS, "backend": "onnxruntime"}, tensor_parallel_size=2)
+    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(**SETTINGS, tensor_parallel_size=0)
+
+
+class ThreadGroup:
+    """The collectives of TensorParallelGroup between threads of this process."""
+
+    def __init__(self, rank: int, world_size: int, shared: dict, barrier: threading.Barrier):
+        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+        self._shared, self._barrier = shared, barrier
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._shared[self.rank] = tensor.clone()
+        self._barrier.wait()
+        values = [self._shared[rank] for rank in range(self.world_size)]
+        self._barrier.wait()
+        return values
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        values = self._exchange(tensor)
+        total = values[0].clone()
+        for value in values[1:]:
+            total += value
+        return tensor.copy_(total)
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.copy_(self._exchange(tensor)[0])
+
+    def min_int(self, value: int) -> int:
+        return min(int(v) for v in self._exchange(torch.tensor([value])))
+
+    def close(self) -> None:
+        pass
+
+
+def test_four_ranks_with_shared_kv_heads_give_the_logits_of_one(single: LLMEngine):
+    files = resolve_model("dummy:tiny")  # 4 query heads, 2 KV heads: each KV head on 2 ranks
+    barrier, shared = threading.Barrier(4), {}
+    ranks = [TensorParallelRank(ThreadGroup(rank, 4, shared, barrier)) for rank in range(4)]
+    runners: dict[int, CpuModelRunner] = {}
+    errors: list[BaseException] = []
+
+    def build_and_serve(rank: int) -> None:
+        try:
+            runners[rank] = CpuModelRunner(
+                files,
+                dtype=torch.float32,
+                block_size=BLOCK_SIZE,
+                kv_cache_bytes=1 << 20,
+                cpu_kernels=False,
+                tensor_parallel=ranks[rank],
+            )
+            if rank > 0:
+                serve_steps(runners[rank], ranks[rank])
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=build_and_serve, args=(rank,)) for rank in range(1, 4)]
+    for thread in threads:
+        thread.start()
+    build_and_serve(0)
+    try:
+        assert not errors
+        assert runners[0].model_config.num_kv_heads == 1
+        for ours, reference in zip(
+            run_steps(runners[0], 3), run_steps(single.runner, 3), strict=True
+        ):
+            torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    finally:
+        if not errors:
+            ranks[0].send_stop()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert not errors

@@ -183,6 +183,8 @@ def _check_container(
         assert _port(container, "grpc") == int(listen)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == int(listen), probe
+    if getattr(namespace, "http_port", None) is not None:  # the OpenAI-compatible front
+        assert _port(container, "http") == int(namespace.http_port)
     if getattr(namespace, "metrics_port", None) is not None:
         metrics = _port(container, "metrics")
         if found.module == "services.ray_engines":
@@ -260,6 +262,9 @@ def test_addresses_name_real_services(overlay: str) -> None:
 
 
 # ---- network policies ---------------------------------------------------------------------
+PUBLIC_ROUTER_PORTS = (50051, 8000)  # gRPC and the OpenAI-compatible HTTP front
+
+
 def _allowed(overlay: str, source: Pod | None, target: Pod, port: int) -> bool:
     """Whether the policies let `source` (None: a pod in another, unlabelled namespace) reach
     `target` on `port`. Kubernetes semantics: allowed if any policy selecting the target allows
@@ -310,7 +315,8 @@ def test_network_policies_isolate_everything_but_the_router(overlay: str) -> Non
             for port in container.get("ports", []):
                 number = port["containerPort"]
                 outside = _allowed(overlay, None, pod, number)
-                assert outside == (pod in router and number == 50051), (pod.owner, number)
+                public = pod in router and number in PUBLIC_ROUTER_PORTS
+                assert outside == public, (pod.owner, number)
     assert _allowed(overlay, router[0], tokenizer[0], 50052)
     for engine in engines:
         assert _allowed(overlay, router[0], engine, 50061)

@@ -114,7 +114,10 @@ class AdapterRecord:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> AdapterRecord:
-        data = json.loads(raw)
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"malformed adapter record: {exc}") from exc
         if not isinstance(data, dict):
             raise InvalidArgumentError("an adapter record must be a JSON object")
         try:

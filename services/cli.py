@@ -9,6 +9,7 @@ no gRPC). `serve` and `bench` hand the rest of the command line to the service's
     sluice serve engine --model dummy:tiny --port 50061
     sluice bench ...                   # the load-test harness (loadtest/)
     sluice keys add --name alice --redis-url redis://...   # API keys in Redis (add|list|revoke)
+    sluice adapters add support-v1 support/v1              # LoRA adapters by name (add|list|remove)
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     keys.add_argument("keys_args", nargs=argparse.REMAINDER)
+    adapters = commands.add_parser(
+        "adapters",
+        help="register LoRA adapters with a router: add|list|remove (see `sluice adapters --help`)",
+        add_help=False,
+    )
+    adapters.add_argument("adapters_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -164,6 +171,11 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--device", help="engines: cpu, cuda, cuda:N or auto")
     up.add_argument("--backend", help="engines: forward backend (torch, ...)")
     up.add_argument(
+        "--adapter-root",
+        help="engines: directory that LoRA adapters registered with `sluice adapters add` must "
+        "resolve under (default: none, no adapters)",
+    )
+    up.add_argument(
         "--engine-args",
         default="",
         help='more engine flags as one string, e.g. --engine-args="--max-model-len 4096"',
@@ -201,7 +213,11 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
     router_args = _flag_pairs(
         namespace, ("api_keys_file", "max_queued_requests", "max_queued_tokens", "http_port")
     )
-    engine_args = _flag_pairs(namespace, ("kv_cache_bytes", "max_num_seqs", "device", "backend"))
+    if namespace.adapter_root:  # engines (Ray actors too) may run in another directory
+        namespace.adapter_root = str(Path(namespace.adapter_root).expanduser().resolve())
+    engine_args = _flag_pairs(
+        namespace, ("kv_cache_bytes", "max_num_seqs", "device", "backend", "adapter_root")
+    )
     try:
         engines, engine_gpus = 1 if namespace.engines is None else namespace.engines, ()
         if namespace.no_ray:  # Ray places one actor per GPU itself
@@ -336,6 +352,10 @@ def dispatch(argv: Sequence[str]) -> int:
         from services.keys_cli import main as keys_main
 
         return int(keys_main(argv[1:]) or 0)
+    if argv and argv[0] == "adapters":
+        from services.adapters_cli import main as adapters_main
+
+        return int(adapters_main(argv[1:]) or 0)
     parser = build_parser()
     namespace, unknown = parser.parse_known_args(argv)
     if namespace.command == "bench":

@@ -134,7 +134,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=9400,
         help="Prometheus /metrics: the launcher's own (child restarts) on this port, the "
-        "router's on +1, engine process i's on +2+i (--no-ray); 0 turns them off "
+        "router's on +1, engine i's on +2+i; 0 turns them off "
         "(default: %(default)s)",
     )
     up.add_argument(

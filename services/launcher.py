@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -79,7 +79,7 @@ class StackConfig:
     redis_data_dir: Path | None = None  # where a private Redis persists (None: not persisted)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)  # for crashed children
     # Prometheus ports: the launcher's own /metrics (restarts) on metrics_port, the router's on
-    # metrics_port + 1, engine process i's on metrics_port + 2 + i. None: no metrics endpoints.
+    # metrics_port + 1, engine i's (process or local Ray actor) on metrics_port + 2 + i. None: off.
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
@@ -371,6 +371,8 @@ class Stack:
 
         # Given Ray flags decide the engine count (None there: one per GPU, else 1 on CPU).
         ray_config = self.config.ray_cluster or RayClusterConfig(engines=self.config.engines)
+        if self.config.metrics_port is not None:  # engine i on metrics_port + 2 + i, as processes
+            ray_config = replace(ray_config, engine_metrics_port=self.config.metrics_port + 2)
         self.ray_cluster = start_ray_engines(
             ["--host", LOOPBACK, *model.flags(), *self.config.engine_args],
             redis_url=self.redis_url,

@@ -59,6 +59,10 @@ class RayClusterConfig:
         help="on a joined cluster, the gRPC port each engine actor binds on its node (None: a "
         "free one; a taken port falls back to a free one)",
     )
+    engine_metrics_port: int | None = field(
+        None,
+        help="on a local Ray, engine i serves Prometheus /metrics on this port + i (None: off)",
+    )
     wait_for_gpus: bool = field(
         False,
         help="before placing engines, wait (up to --engine-ready-timeout-s) until the cluster "
@@ -146,6 +150,12 @@ class RayCluster:
             return self.config.engines, gpus >= self.config.engines
         return (gpus, True) if gpus > 0 else (1, False)
 
+    def _metrics_port(self, index: int, fixed_ports: bool, worker: WorkerConfig) -> int | None:
+        """Engine `index`'s metrics port: its own on a local Ray (one node, distinct ports)."""
+        if fixed_ports and self.config.engine_metrics_port is not None:
+            return self.config.engine_metrics_port + index
+        return worker.network.metrics_port
+
     def start_engines(
         self, worker: WorkerConfig, store: StoreConfig, *, host: str | None = None
     ) -> list[EngineActor]:
@@ -170,6 +180,7 @@ class RayCluster:
                         worker.network,
                         host=bind_host,
                         port=free_port(bind_host) if fixed_ports else self.config.engine_port or 0,
+                        metrics_port=self._metrics_port(index, fixed_ports, worker),
                     ),
                 ),
                 store=store,

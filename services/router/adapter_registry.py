@@ -69,8 +69,8 @@ class AdapterRegistry:
     async def lookup(self, name: str) -> AdapterRecord | None:
         """The view's record, else the store's (one read; None when unknown or unreachable)."""
         record = self._view.get(name)
-        if record is not None or not self.store.shared:
-            return record
+        if record is not None or not self.store.shared or self.store.degraded:
+            return record  # while Redis is down, the view alone answers (no wait per request)
         try:
             raw = await self.store.hash_get(ADAPTERS_HASH, name)
         except StoreUnavailableError:

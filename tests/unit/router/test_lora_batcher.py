@@ -173,8 +173,9 @@ def test_a_free_slot_goes_to_the_starving_adapter_first() -> None:
     assert policy.exchanges == {"old": "e"}
     only.release_adapter("x")
     only.inflight = 0
-    queue.admit(Item("x", arrival=2.0))
+    queue.admit(Item("urgent", arrival=2.0, priority=-1))  # ahead in queue order
     assert placed(policy.schedule(queue, [only])) == [("old", "e")]
+    assert queue.depth_by_adapter() == {"urgent": 1}
 
 
 @pytest.mark.parametrize("rate_per_s", [10.0, 20.0])

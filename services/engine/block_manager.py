@@ -2,8 +2,10 @@
 
 Plain Python, no tensors (the KV tensors live in the model runner). Blocks are fixed-size and
 reference-counted. With prefix caching, each full block that has been computed is registered
-under a chain hash of (parent hash, adapter, its tokens): two sequences with the same adapter and
-the same leading tokens share those blocks, and different adapters never do (their KV differs).
+under a chain hash of (parent hash, adapter id, its tokens): two sequences with the same adapter
+and the same leading tokens share those blocks, and different adapters never do (their KV
+differs). The adapter id is the adapter's name and file checksum (`Sequence.adapter_id`), so a
+name registered again with new files never reuses the old files' blocks.
 A cached block whose last user leaves is kept (ref count 0, "evictable") in LRU order and reused
 by a later request with the same prefix, or evicted when free blocks run out.
 
@@ -91,12 +93,12 @@ class BlockManager:
         parent: int | None = None
         for index in range(max_blocks):
             chunk = tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
-            block_hash = hash_block(parent, seq.adapter, chunk)
+            block_hash = hash_block(parent, seq.adapter_id, chunk)
             block_id = self.cached.get(block_hash)
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.token_ids != chunk or block.adapter != seq.adapter:
+            if block.token_ids != chunk or block.adapter != seq.adapter_id:
                 break  # hash collision: treat as a miss
             if block.ref_count == 0:
                 del self.evictable[block_id]
@@ -120,12 +122,12 @@ class BlockManager:
         tokens = seq.token_ids
         for index in range(seq.num_hashed_blocks, num_full):
             chunk = tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
-            block_hash = hash_block(seq.last_block_hash, seq.adapter, chunk)
+            block_hash = hash_block(seq.last_block_hash, seq.adapter_id, chunk)
             block = self.blocks[seq.block_table[index]]
             if block_hash not in self.cached and block.block_hash is None:
                 block.block_hash = block_hash
                 block.token_ids = chunk
-                block.adapter = seq.adapter
+                block.adapter = seq.adapter_id
                 self.cached[block_hash] = block.block_id
             seq.last_block_hash = block_hash
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

@@ -22,6 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from services.engine.model_runner import (
 )
 from services.engine.models.config import ModelConfig
 from services.engine.sequence import PENDING_TOKEN
+
+if TYPE_CHECKING:
+    from services.engine.lora.engine_adapters import EngineAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +172,29 @@ class CudaModelRunner(BaseModelRunner):
             f"({tuned})"
         )
         return self.execution_path
+
+    @property
+    def lora_kernels(self) -> str:
+        """The Triton shrink/expand kernels with the fast path; plain torch ops otherwise."""
+        return "triton" if self.fast is not None else "torch"
+
+    def lora_max_rows(self, config: EngineConfig) -> int:
+        """A step's tokens, or a padded graph bucket's rows, whichever is more."""
+        largest = self.fast.graphs.max_batch_size if self.fast is not None else 0
+        return max(config.max_num_batched_tokens, largest)
+
+    def bind_lora(self, adapters: EngineAdapters) -> None:
+        """Wrap the projections (the fast path's tuned ones too) and recapture the decode
+        graphs with the LoRA kernels in every replay: slot indices are graph inputs, so a new
+        adapter mix needs no recapture."""
+        super().bind_lora(adapters)
+        if self.fast is None or not self.use_cuda_graphs:
+            return
+        adapters.runtime.launch_always = True
+        try:
+            self.fast.capture_graphs()
+        finally:
+            adapters.runtime.launch_always = False
 
     def _tune_skinny_matmuls(self) -> str:
         """Bind the skinny-matmul choices saved for this GPU, shape, dtype and kernel code

@@ -8,7 +8,9 @@ callback, called on this thread (the server forwards it with `loop.call_soon_thr
 - When there is nothing to do, the thread sleeps on the condition (no busy polling) and wakes
   every `load_report_interval_s` to emit a load-only output, so routers keep seeing capacity.
 - A refused submit (bad parameters, unknown adapter, can never fit) becomes a `Rejection` for
-  that request only.
+  that request only. A submit may carry its adapter's registration (`adapter_spec`).
+- Requests that wait only for LoRA adapter loads do not keep the thread stepping: the engine says
+  so (`waiting_for_adapters`) and wakes the loop through `on_adapter_load_done`.
 - `thread_policy="idle"` makes the thread SCHED_IDLE (Linux) before its first step. On CPU the
   step is CPU work that shares the cores with every gRPC thread on the machine (this engine's
   stream, the router, the tokenizer); as an idle thread it takes only what they leave, and a
@@ -33,6 +35,7 @@ from typing import Protocol
 from services.common.errors import SluiceError
 from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import FORWARD_THREAD_POLICIES
+from services.engine.lora.records import AdapterRecord
 from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta, StepOutput
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,7 @@ class Submit:
     params: SamplingParams
     adapter: str | None = None
     priority: int = 0
+    adapter_spec: AdapterRecord | None = None  # registers `adapter` first when set
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ class EngineLoop:
         self._load_report_interval_s = load_report_interval_s
         self._condition = threading.Condition()
         self._inbox = _Inbox()
+        self._woken = False  # an adapter load ended: step even if the engine looks idle
         self._running = False
         self._live: set[str] = set()  # touched only by the loop thread
         self._step_index = 0
@@ -170,6 +175,8 @@ class EngineLoop:
         self._failed_steps = 0  # consecutive; backs off a broken engine instead of spinning
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.initial_load = engine.load()
+        if hasattr(engine, "on_adapter_load_done"):
+            engine.on_adapter_load_done = self.wake
 
     # ---- called from any thread -----------------------------------------------------------
     def start(self) -> None:
@@ -185,6 +192,12 @@ class EngineLoop:
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._condition:
             self._inbox.commands.extend(Abort(request_id) for request_id in request_ids)
+            self._condition.notify()
+
+    def wake(self) -> None:
+        """Run a turn now (an adapter load ended; called from the loader thread)."""
+        with self._condition:
+            self._woken = True
             self._condition.notify()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -205,13 +218,19 @@ class EngineLoop:
         last_output = time.monotonic()
         while True:
             with self._condition:
-                while self._running and not self._inbox and not self._engine_busy():
+                while (
+                    self._running
+                    and not self._inbox
+                    and not self._woken
+                    and not self._engine_busy(stepping=True)
+                ):
                     remaining = self._load_report_interval_s - (time.monotonic() - last_output)
                     if remaining <= 0:
                         break
                     self._condition.wait(remaining)
                 if not self._running:
                     return
+                self._woken = False
                 inbox, self._inbox = self._inbox, _Inbox()
             output = self._turn(inbox)
             if output is None:
@@ -222,9 +241,14 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
                 log.exception("engine loop output callback failed")
 
-    def _engine_busy(self) -> bool:
+    def _engine_busy(self, stepping: bool = False) -> bool:
+        """Whether the engine has work; `stepping`: work a step can advance now (not only
+        requests waiting for adapter loads, which wake the loop when they end)."""
         try:
-            return self._engine.has_unfinished()
+            if not self._engine.has_unfinished():
+                return False
+            waiting = getattr(self._engine, "waiting_for_adapters", None)
+            return not (stepping and waiting is not None and waiting())
         except Exception:  # noqa: BLE001
             log.exception("engine.has_unfinished failed")
             return False
@@ -278,6 +302,7 @@ class EngineLoop:
                 except Exception:  # noqa: BLE001
                     log.exception("abort of %s failed", submit.request_id)
                 continue
+            extra = {"adapter_spec": submit.adapter_spec} if submit.adapter_spec else {}
             try:
                 self._engine.add_request(
                     submit.request_id,
@@ -285,6 +310,7 @@ class EngineLoop:
                     submit.params,
                     adapter=submit.adapter,
                     priority=submit.priority,
+                    **extra,
                 )
             except SluiceError as exc:
                 rejections.append(Rejection(submit.request_id, exc.code, exc.message))

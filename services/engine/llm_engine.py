@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,12 +27,15 @@ from services.common.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    SluiceError,
 )
 from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.load_rates import StepRates
+from services.engine.lora.config import LoRAConfig
+from services.engine.lora.records import AdapterRecord, validate_adapter_name
 from services.engine.outputs import (
     EngineLoad,
     FinishReason,
@@ -47,6 +51,7 @@ from services.engine.warmup import WarmupReport, plan_warmup, warm_up
 
 if TYPE_CHECKING:  # the runner modules import torch; the engine's policy code does not
     from services.common.model_files import ModelFiles
+    from services.engine.lora.engine_adapters import EngineAdapters
     from services.engine.model_runner import ModelRunner, PendingTokens
 
 logger = logging.getLogger(__name__)
@@ -70,6 +75,8 @@ class EngineInfo:
     device: str
     dtype: str
     execution_path: str = ""  # how steps run (the runner's `execution_path`), for the logs
+    max_loras: int = 0  # LoRA device slots (0: adapters off)
+    max_lora_rank: int = 0
 
 
 class LLMEngine(OverlappedSteps):
@@ -95,6 +102,14 @@ class LLMEngine(OverlappedSteps):
         max_model_len = int(model_config.max_model_len)
         if config.max_model_len is not None:
             max_model_len = min(max_model_len, config.max_model_len)
+        # LoRA adapters (services/engine/lora/), when config.adapter_root is set.
+        self._adapter_load_done = threading.Event()
+        self.on_adapter_load_done: Callable[[], None] | None = None  # e.g. wake the step loop
+        self._idle_for_adapters = False
+        lora_config = LoRAConfig.from_engine_config(config)
+        self.adapters: EngineAdapters | None = None
+        if lora_config.enabled:
+            self.adapters = self._build_adapters(lora_config, config, model_runner)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -102,6 +117,7 @@ class LLMEngine(OverlappedSteps):
                 max_model_len=max_model_len,
             ),
             self.block_manager,
+            adapter_slots=self.adapters.gate if self.adapters is not None else None,
         )
         eos = tuple(int(token) for token in model_config.eos_token_ids)
         self.sampler = Sampler(eos, seed=config.seed)
@@ -116,6 +132,8 @@ class LLMEngine(OverlappedSteps):
         self._launch_greedy: Callable[[ScheduledBatch], PendingTokens] | None = (
             model_runner.launch_greedy if capabilities.supports_overlap else None
         )
+        if self.adapters is not None and self._launch_greedy is not None:
+            self._launch_greedy = self._with_adapters(self._launch_greedy)
         self._overlap_max_batch = capabilities.overlap_max_batch
         self._launched: LaunchedStep | None = None
         self.num_overlapped_steps = 0
@@ -134,6 +152,8 @@ class LLMEngine(OverlappedSteps):
             execution_path=str(
                 getattr(model_runner, "execution_path", "") or f"{config.backend} ops"
             ),
+            max_loras=lora_config.max_loras if lora_config.enabled else 0,
+            max_lora_rank=lora_config.max_lora_rank if lora_config.enabled else 0,
         )
         self._eos = frozenset(eos)
         self._max_model_len = max_model_len
@@ -157,6 +177,80 @@ class LLMEngine(OverlappedSteps):
         logger.info("step limits: %s", limits)
         return config, create_model_runner(config, files)
 
+    def _build_adapters(
+        self, lora_config: LoRAConfig, config: EngineConfig, runner: ModelRunner
+    ) -> EngineAdapters:
+        """The engine's LoRA parts, bound to the runner's model (its `bind_lora`)."""
+        from services.engine.lora.engine_adapters import EngineAdapters
+
+        bind = getattr(runner, "bind_lora", None)
+        if bind is None:
+            raise FailedPreconditionError(
+                f"LoRA adapters (--adapter-root) are not served by the {type(runner).__name__} "
+                "runner; leave --adapter-root unset"
+            )
+        max_rows = max(config.max_num_batched_tokens, runner.lora_max_rows(config))
+        adapters = EngineAdapters(
+            lora_config,
+            runner.model_config,
+            dtype=runner.dtype,
+            device=runner.device,
+            kernels=runner.lora_kernels,
+            max_rows=max_rows,
+            on_load_done=self._adapter_loaded,
+        )
+        bind(adapters)
+        logger.info(
+            "LoRA adapters from %s: %d device slots, %d in host memory, rank <= %d, %s kernels",
+            lora_config.adapter_root,
+            lora_config.max_loras,
+            lora_config.max_cpu_loras,
+            lora_config.max_lora_rank,
+            runner.lora_kernels,
+        )
+        return adapters
+
+    def _with_adapters(self, run: Callable[[ScheduledBatch], Any]) -> Callable[..., Any]:
+        """`run` preceded by telling the LoRA runtime which rows use which slot."""
+        adapters = self.adapters
+
+        def run_with_adapters(batch: ScheduledBatch) -> Any:
+            adapters.begin_step(batch)
+            return run(batch)
+
+        return run_with_adapters
+
+    def _adapter_loaded(self) -> None:
+        """On the loader thread: an adapter load ended; wake whoever waits for it."""
+        self._adapter_load_done.set()
+        callback = self.on_adapter_load_done
+        if callback is not None:
+            callback()
+
+    def waiting_for_adapters(self) -> bool:
+        """True when the last step ran nothing because every live request waits for an
+        adapter load: a driver may sleep until `on_adapter_load_done` (or a new request)."""
+        return self._idle_for_adapters and not self._aborted
+
+    def wait_for_adapter_load(self, timeout_s: float) -> bool:
+        """Block until an adapter load ends (or timeout); whether one ended."""
+        ended = self._adapter_load_done.wait(timeout_s)
+        self._adapter_load_done.clear()
+        return ended
+
+    # ---- adapters -------------------------------------------------------------------------
+    def inspect_adapter(self, name: str, path: str) -> AdapterRecord:
+        """Validate an adapter under the adapter root (thread-safe: reads files only)."""
+        if self.adapters is None:
+            raise FailedPreconditionError("LoRA adapters are off (no --adapter-root)")
+        return self.adapters.inspect(name, path)
+
+    def register_adapter(self, record: AdapterRecord) -> None:
+        """Register (or re-register with new files) an adapter by name."""
+        if self.adapters is None:
+            raise FailedPreconditionError("LoRA adapters are off (no --adapter-root)")
+        self.adapters.register(record)
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(
         self,
@@ -166,8 +260,12 @@ class LLMEngine(OverlappedSteps):
         *,
         adapter: str | None = None,
         priority: int = 0,
+        adapter_spec: AdapterRecord | None = None,
     ) -> None:
-        """Validate and queue a request; raises a SluiceError subclass on bad input."""
+        """Validate and queue a request; raises a SluiceError subclass on bad input.
+
+        `adapter` names a LoRA adapter (None or "": the base model); `adapter_spec`, when given,
+        registers it first (its files are read and verified when it loads)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
         if len(request_id) > MAX_REQUEST_ID_CHARS:
@@ -183,19 +281,37 @@ class LLMEngine(OverlappedSteps):
         prompt = list(prompt_token_ids)
         validate_prompt_token_ids(prompt, self.info.vocab_size)
         params.validate_for_model(len(prompt), self.info.max_model_len, self.info.vocab_size)
-        if adapter:
-            raise NotFoundError(f"unknown adapter {adapter!r} (no LoRA adapters are loaded)")
         if request_id in self._requests:
             raise AlreadyExistsError(f"request {request_id!r} is already running")
+        adapter = adapter or None
+        if adapter is not None:
+            if self.adapters is None:
+                raise NotFoundError(f"unknown adapter {adapter!r} (LoRA adapters are off)")
+            validate_adapter_name(adapter)
+            if adapter_spec is not None:
+                if adapter_spec.name != adapter:
+                    raise InvalidArgumentError(
+                        f"adapter_spec names {adapter_spec.name!r}, the request {adapter!r}"
+                    )
+                self.adapters.ensure_registered(adapter_spec)
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
             prompt_token_ids=prompt,
             params=params,
-            adapter=None,
+            adapter=adapter,
             priority=priority,
         )
-        self.scheduler.add(seq)  # raises ResourceExhaustedError if it can never fit
+        if adapter is not None:
+            # NOT_FOUND for an unknown name, before anything is queued.
+            record = self.adapters.gate.hold(seq)
+            seq.adapter_id = f"{record.name}@{record.sha256}"  # the prefix cache's key
+        try:
+            self.scheduler.add(seq)  # raises ResourceExhaustedError if it can never fit
+        except BaseException:
+            if self.adapters is not None:
+                self.adapters.gate.drop(seq)
+            raise
         self._requests[request_id] = seq
 
     def abort(self, request_id: str) -> bool:
@@ -211,14 +327,22 @@ class LLMEngine(OverlappedSteps):
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._aborted)
 
+    def shutdown(self) -> None:
+        """Stop background work (adapter loads)."""
+        if self.adapters is not None:
+            self.adapters.shutdown()
+
     def load(self) -> EngineLoad:
         rates = self.rates
+        adapters = self.adapters
         return EngineLoad(
             free_blocks=self.block_manager.num_free_blocks,
             total_blocks=self.block_manager.num_blocks,
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
-            resident_adapters=(),
+            resident_adapters=adapters.resident() if adapters is not None else (),
+            loading_adapters=adapters.loading() if adapters is not None else (),
+            lora_slots=self.info.max_loras,
             queued_prompt_tokens=self._queued_prompt_tokens(),
             prefill_tokens_per_s=rates.prefill_tokens_per_s,
             decode_tokens_per_s=rates.decode_tokens_per_s,
@@ -278,12 +402,18 @@ class LLMEngine(OverlappedSteps):
     def _step(self) -> StepOutput:
         started = time.perf_counter()
         deltas, self._aborted = self._aborted, []
+        self._idle_for_adapters = False
+        if self.adapters is not None:
+            self._poll_adapters(deltas)
         launched, self._launched = self._launched, None
         if launched is not None and launched.all_finished:
             launched = None  # every sequence of it stopped or was aborted: nothing to read
         if launched is None:
             plan = self.scheduler.schedule()
             if plan.is_empty:
+                self._idle_for_adapters = (
+                    not deltas and self.adapters is not None and bool(self._requests)
+                )
                 return StepOutput(deltas, self.load(), time.perf_counter() - started, 0)
             if self._launch_greedy is None or not self._plain_greedy(plan.scheduled):
                 return self._run(plan, deltas, started)
@@ -316,6 +446,8 @@ class LLMEngine(OverlappedSteps):
         num_tokens = plan.batch.num_tokens
         try:
             greedy = self._plain_greedy(plan.scheduled)
+            if self.adapters is not None:
+                self.adapters.begin_step(plan.batch)
             if greedy:
                 token_tensor = self._execute_greedy(plan.batch)
             else:
@@ -396,12 +528,25 @@ class LLMEngine(OverlappedSteps):
             return FinishReason.LENGTH
         return None
 
-    def _fail(self, seq: Sequence, message: str) -> SequenceDelta:
+    def _poll_adapters(self, deltas: list[SequenceDelta]) -> None:
+        """Land finished adapter loads; end the requests whose adapter failed to load."""
+        failures = self.adapters.gate.poll()
+        if not failures:
+            return
+        by_id = {seq.seq_id: seq for seq in self._requests.values()}
+        for seq_id, error in failures:
+            seq = by_id.get(seq_id)
+            if seq is not None:
+                deltas.append(self._fail(seq, error.message, error))
+
+    def _fail(self, seq: Sequence, message: str, error: SluiceError | None = None) -> SequenceDelta:
         self._requests.pop(seq.request_id, None)
         self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ERROR
         delta = self._delta(seq, [], None, FinishReason.ERROR)
         delta.error = message
+        if error is not None:
+            delta.error_code = error.code
         return delta
 
     @staticmethod

@@ -38,6 +38,7 @@ from services.engine.loader.weights import build_model
 from services.engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
+    from services.engine.lora.engine_adapters import EngineAdapters
     from services.engine.parallel.group import TensorParallelRank
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class BaseModelRunner:
     """
 
     capabilities = RunnerCapabilities(greedy_ids=True)
+    lora_kernels = "torch"  # the LoRA runtime's kernels here (services/engine/lora/runtime.py)
 
     def __init__(
         self,
@@ -175,6 +177,17 @@ class BaseModelRunner:
     def _bind_kernels(self) -> str:
         """After cache and attention are bound; returns what to add to the start-up line."""
         return ""
+
+    # ---- LoRA -----------------------------------------------------------------------------
+    def lora_max_rows(self, config: EngineConfig) -> int:
+        """The most rows one step hands the LoRA runtime."""
+        return config.max_num_batched_tokens
+
+    def bind_lora(self, adapters: EngineAdapters) -> None:
+        """Make the model's projections add each step's adapter deltas (after packing)."""
+        if self.tensor_parallel is not None:
+            raise FailedPreconditionError("LoRA adapters are not served with tensor parallelism")
+        adapters.attach(self.model)
 
     # ---- steps ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -38,6 +38,7 @@ class SequenceDelta:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str = "INTERNAL"  # gRPC status name of `error`
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, including new_token_ids
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -52,6 +53,8 @@ class EngineLoad:
     running: int
     waiting: int
     resident_adapters: tuple[str, ...] = ()
+    loading_adapters: tuple[str, ...] = ()
+    lora_slots: int = 0  # device slots for adapters (0: LoRA off)
     # For the router's queueing-delay estimate (services/engine/load_rates.py): prompt tokens
     # not yet prefilled, and the rates measured over the engine's recent busy time.
     queued_prompt_tokens: int = 0
@@ -81,3 +84,5 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     num_cached_prompt_tokens: int = 0
+    error: str | None = None  # why it ended with finish_reason ERROR
+    adapter: str | None = None  # the LoRA adapter it ran with (None: the base model)

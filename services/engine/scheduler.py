@@ -57,6 +57,10 @@ class AdapterSlots(Protocol):
         """`seq` stops running: unpin its slot (seq.adapter_slot back to -1)."""
         ...
 
+    def drop(self, seq: Sequence) -> None:
+        """`seq` is finished or aborted: unpin its slot and forget its adapter use."""
+        ...
+
 
 # Scheduling order: lower priority value first, then earlier arrival (a C-level key).
 _rank = attrgetter("priority", "arrival")
@@ -105,11 +109,11 @@ class Scheduler:
         """Remove a finished or aborted sequence and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            if self.adapter_slots is not None:
-                self.adapter_slots.release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
             heapq.heapify(self.waiting)
+        if self.adapter_slots is not None and seq.status is not SequenceStatus.FINISHED:
+            self.adapter_slots.drop(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 

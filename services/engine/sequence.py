@@ -41,6 +41,9 @@ class Sequence:
     adapter: str | None = None
     priority: int = 0
     adapter_slot: int = -1
+    # What the prefix cache keys blocks by: the adapter's name and file checksum (the engine
+    # sets it), so re-registering a name with new files never reuses the old files' KV.
+    adapter_id: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrivals))
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)  # prompt + output, kept in step for speed
@@ -59,6 +62,8 @@ class Sequence:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.token_ids = self.prompt_token_ids + list(self.output_token_ids)
+        if self.adapter_id is None:
+            self.adapter_id = self.adapter
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
 

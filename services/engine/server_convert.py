@@ -28,6 +28,8 @@ def load_to_pb(load: EngineLoad) -> engine_pb2.EngineLoad:
         running=load.running,
         waiting=load.waiting,
         resident_adapters=list(load.resident_adapters),
+        loading_adapters=list(load.loading_adapters),
+        lora_slots=load.lora_slots,
         queued_prompt_tokens=load.queued_prompt_tokens,
         prefill_tokens_per_s=load.prefill_tokens_per_s,
         decode_tokens_per_s=load.decode_tokens_per_s,
@@ -56,7 +58,7 @@ def fill_update(update: engine_pb2.SequenceUpdate, request_id: str, delta: Seque
         reason = delta.finish_reason or FinishReason.STOP
         update.finish_reason = FINISH_REASONS_PB[reason]
     if delta.error:
-        update.error.code = "INTERNAL"
+        update.error.code = delta.error_code
         update.error.message = delta.error
 
 

@@ -17,7 +17,7 @@ from services.engine.lora.projections import PROJECTIONS
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.weights import AdapterWeights, ProjectionWeights
-from tests.unit.engine.lora.helpers import tiny_model_config
+from tests.lora_adapters import tiny_model_config
 
 DEVICE = "cuda"
 MAX_ROWS = 512

@@ -23,6 +23,7 @@ from concurrent.futures import Executor
 import torch
 from torch import nn
 
+from services.common.errors import NotFoundError
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.lora.batch import LoRABatch
 from services.engine.lora.config import LoRAConfig
@@ -87,6 +88,16 @@ class EngineAdapters:
         )
 
     def register(self, record: AdapterRecord) -> None:
+        self.manager.register(record)
+
+    def ensure_registered(self, record: AdapterRecord) -> None:
+        """Register `record` unless this very record is registered already (a request that
+        carries its adapter's spec must not clear a failed load's error on every submit)."""
+        try:
+            if self.manager.record(record.name) == record:
+                return
+        except NotFoundError:
+            pass
         self.manager.register(record)
 
     def unregister(self, name: str) -> bool:

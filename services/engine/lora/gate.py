@@ -24,10 +24,13 @@ class AdapterGate:
         self.manager = manager
         self._records: dict[int, AdapterRecord] = {}
 
-    def hold(self, seq: Sequence) -> None:
-        """Register a new request's adapter use (raises NotFoundError for an unknown name)."""
-        if seq.adapter is not None:
-            self._records[seq.seq_id] = self.manager.hold(seq.adapter)
+    def hold(self, seq: Sequence) -> AdapterRecord | None:
+        """Register a new request's adapter use (raises NotFoundError for an unknown name);
+        the record it will run with (None for the base model)."""
+        if seq.adapter is None:
+            return None
+        record = self._records[seq.seq_id] = self.manager.hold(seq.adapter)
+        return record
 
     def record_of(self, seq: Sequence) -> AdapterRecord | None:
         return self._records.get(seq.seq_id)

@@ -17,7 +17,7 @@ from services.engine.lora.config import LoRAConfig
 from services.engine.lora.engine_adapters import EngineAdapters
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.sequence import Sequence
-from tests.unit.engine.lora.helpers import ALL_MODULES, save_peft_adapter
+from tests.lora_adapters import ALL_MODULES, save_peft_adapter
 from tests.unit.engine.models.helpers import files_for, hf_config, save_random_model
 
 MAX_TOKENS = 6

@@ -12,7 +12,7 @@ from services.engine.lora.loader import inspect_adapter, load_registered_adapter
 from services.engine.lora.paths import checksum_of, read_adapter_files
 from services.engine.lora.projections import MODULE_PARENT, MODULE_TO_SLICE, projection_shapes
 from services.engine.lora.records import validate_adapter_name
-from tests.unit.engine.lora.helpers import (
+from tests.lora_adapters import (
     ALL_MODULES,
     lora_tensors,
     peft_config,

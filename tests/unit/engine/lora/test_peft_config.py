@@ -10,7 +10,7 @@ import pytest
 from services.common.errors import InvalidArgumentError
 from services.engine.lora.peft_config import parse_adapter_config
 from services.engine.lora.projections import SUPPORTED_MODULES
-from tests.unit.engine.lora.helpers import peft_config
+from tests.lora_adapters import peft_config
 
 
 def _parse(**fields: object) -> object:

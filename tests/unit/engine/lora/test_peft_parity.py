@@ -20,7 +20,7 @@ from services.engine.lora.loader import inspect_adapter, load_registered_adapter
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.wrap import attach_lora
-from tests.unit.engine.lora.helpers import ALL_MODULES, save_peft_adapter
+from tests.lora_adapters import ALL_MODULES, save_peft_adapter
 from tests.unit.engine.models.helpers import BlockAllocator, files_for, hf_config, save_random_model
 
 BLOCK_SIZE = 4

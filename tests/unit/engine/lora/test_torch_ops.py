@@ -11,7 +11,7 @@ from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.torch_ops import add_lora, add_lora_grouped
 from services.engine.lora.weights import AdapterWeights, ProjectionWeights
-from tests.unit.engine.lora.helpers import tiny_model_config
+from tests.lora_adapters import tiny_model_config
 
 CONFIG = tiny_model_config()
 

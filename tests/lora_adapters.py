@@ -1,4 +1,10 @@
-"""Test helpers: a tiny Llama config, random adapters saved by peft itself, raw adapter files."""
+"""LoRA test helpers shared by the engine and router tests: random PEFT adapters saved by peft
+itself (with their transformers + peft greedy references), hand-made adapter files, a tiny Llama
+config.
+
+`write_peft_adapters` adapts one base model in place adapter after adapter (peft's `unload`
+restores it), so even the default model needs no copy per adapter.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +45,72 @@ def save_peft_adapter(
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
     model.save_pretrained(directory)
     return model.eval()
+
+
+# Adapters of different ranks, target modules and scalings (rsLoRA, rank/alpha patterns).
+MIXED_ADAPTERS: dict[str, dict[str, Any]] = {
+    "attn-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+    "mlp-r8-rs": {
+        "r": 8,
+        "lora_alpha": 4,
+        "use_rslora": True,
+        "target_modules": ["gate_proj", "up_proj", "down_proj"],
+    },
+    "all-r2": {"r": 2, "lora_alpha": 3, "target_modules": ALL_MODULES},
+    "ko-r6": {
+        "r": 6,
+        "lora_alpha": 6,
+        "target_modules": ["k_proj", "o_proj"],
+        "rank_pattern": {"o_proj": 3},
+    },
+}
+
+
+def write_peft_adapters(
+    base: torch.nn.Module,
+    root: Path,
+    adapters: dict[str, dict[str, Any]],
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    scale: float = 0.2,
+) -> dict[str | None, list[list[int]]]:
+    """Save each adapter (random, non-zero A and B) under root/<name> with peft; return the
+    greedy tokens of transformers + peft with that adapter alone for every prompt (key None:
+    the base model). `base` is adapted in place and restored after each adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    references = {None: greedy_tokens(base, prompts, max_tokens)}
+    for index, (name, options) in enumerate(adapters.items()):
+        model = get_peft_model(base, LoraConfig(**options))
+        generator = torch.Generator().manual_seed(1000 + index)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "lora_A" in param_name or "lora_B" in param_name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * scale)
+        model.save_pretrained(root / name)
+        model.eval()
+        references[name] = greedy_tokens(model, prompts, max_tokens)
+        base = model.unload()
+    return references
+
+
+def greedy_tokens(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> list:
+    """transformers' greedy generate of each prompt alone (no EOS stop)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0
+    )
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
+            )
+            results.append(out[0, ids.shape[1] :].tolist())
+    return results
 
 
 def write_adapter(

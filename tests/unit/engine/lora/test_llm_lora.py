@@ -1,0 +1,205 @@
+"""LoRA through LLMEngine and the offline `LLM.generate`, on a tiny random Llama in float32.
+
+Every request's greedy tokens must equal transformers + peft with its adapter alone (the base
+model for base requests), with all adapters in flight together: four adapters on four slots,
+eight adapters on two slots (slots evicted and refilled while requests wait), a name
+re-registered with new files (the prefix cache must not serve the old files' KV), a load that
+fails its checksum (that request ends with the error, the others go on), and unknown names.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.errors import FailedPreconditionError, NotFoundError
+from services.common.protocol.sampling_params import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.llm import LLM
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import FinishReason
+from tests.lora_adapters import ALL_MODULES, MIXED_ADAPTERS, write_peft_adapters
+from tests.unit.engine.models.helpers import TINY_COMMON, hf_config, save_random_model
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+EIGHT_ADAPTERS = {
+    **MIXED_ADAPTERS,
+    "q-r3": {"r": 3, "lora_alpha": 3, "target_modules": ["q_proj"]},
+    "down-r5": {"r": 5, "lora_alpha": 10, "target_modules": ["down_proj"]},
+    "all-r8": {"r": 8, "lora_alpha": 16, "target_modules": ALL_MODULES},
+    "up-v-r1": {"r": 1, "lora_alpha": 2, "target_modules": ["up_proj", "v_proj"]},
+}
+
+
+class _Tokenizer:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(str(token) for token in token_ids)
+
+
+def _prompts(count: int, seed: int = 5) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    vocab = TINY_COMMON["vocab_size"]
+    # Two prompts share their first 8 tokens (two full blocks): prefix-cache candidates.
+    shared = torch.randint(0, vocab, (8,), generator=generator).tolist()
+    prompts = []
+    for index in range(count):
+        tail = torch.randint(0, vocab, (3 + index % 5,), generator=generator).tolist()
+        prompts.append(shared + tail if index < 2 else tail + shared[: index % 7])
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny base model, eight adapters under one root and every peft reference."""
+    directory = tmp_path_factory.mktemp("lora-llm")
+    base = save_random_model(hf_config("llama"), directory / "base")
+    prompts = _prompts(3)
+    references = write_peft_adapters(
+        base, directory / "adapters", EIGHT_ADAPTERS, prompts, MAX_TOKENS
+    )
+    return directory, prompts, references
+
+
+def _llm(directory: Path, **lora: object) -> LLM:
+    config = EngineConfig(
+        model=str(directory / "base"),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_cache_bytes=1 << 20,
+        max_num_seqs=32,
+        max_lora_rank=8,
+        adapter_root=str(directory / "adapters"),
+        **lora,
+    )
+    return LLM.from_engine(LLMEngine(config), _Tokenizer())
+
+
+def _check_all_in_flight(llm: LLM, names: list[str | None], prompts, references) -> None:
+    jobs = [(name, index) for name in names for index in range(len(prompts))]
+    outputs = llm.generate(
+        [prompts[index] for _, index in jobs], GREEDY, adapters=[name for name, _ in jobs]
+    )
+    changed = set()
+    for (name, index), output in zip(jobs, outputs, strict=True):
+        assert output.finish_reason is FinishReason.LENGTH, output.error
+        assert output.adapter == name
+        assert output.token_ids == references[name][index], (name, index)
+        if output.token_ids != references[None][index]:
+            changed.add(name)
+    assert changed == {name for name in names if name is not None}  # each adapter matters
+
+
+def test_base_and_four_adapters_in_flight_match_peft(eight) -> None:
+    directory, prompts, references = eight
+    llm = _llm(directory, max_loras=4, max_cpu_loras=4)
+    for name in MIXED_ADAPTERS:
+        record = llm.add_adapter(name)
+        assert record.rank == MIXED_ADAPTERS[name]["r"] and len(record.sha256) == 64
+    engine = llm.engine
+    assert engine.info.max_loras == 4 and engine.info.max_lora_rank == 8
+    _check_all_in_flight(llm, [None, *MIXED_ADAPTERS], prompts, references)
+    load = engine.load()
+    assert sorted(load.resident_adapters) == sorted(MIXED_ADAPTERS)
+    assert load.lora_slots == 4 and load.loading_adapters == ()
+    assert engine.adapters.gate.num_held == 0
+    # Again, now resident: same tokens, and the shared prefix comes from each adapter's cache.
+    outputs = llm.generate(prompts[:2], GREEDY, adapters="all-r2")
+    assert [output.token_ids for output in outputs] == references["all-r2"][:2]
+    assert all(output.num_cached_prompt_tokens >= 8 for output in outputs)
+    engine.shutdown()
+
+
+def test_eight_adapters_on_two_slots_stay_correct_under_eviction(eight) -> None:
+    directory, prompts, references = eight
+    llm = _llm(directory, max_loras=2, max_cpu_loras=3)
+    for name in EIGHT_ADAPTERS:
+        llm.add_adapter(name)
+    manager = llm.engine.adapters.manager
+    _check_all_in_flight(llm, [None, *EIGHT_ADAPTERS], prompts, references)
+    assert manager.num_slot_writes >= len(EIGHT_ADAPTERS)  # slots were evicted and refilled
+    assert manager.num_loads >= len(EIGHT_ADAPTERS)
+    assert len(llm.engine.load().resident_adapters) <= 2
+    # Twice more in reverse order: adapters evicted from the host cache load again.
+    names = [*reversed(EIGHT_ADAPTERS), None]
+    _check_all_in_flight(llm, names, prompts, references)
+    assert manager.num_loads > len(EIGHT_ADAPTERS)
+    llm.engine.shutdown()
+
+
+def test_new_files_under_a_name_never_reuse_the_old_kv(eight, tmp_path: Path) -> None:
+    directory, prompts, references = eight
+    root = tmp_path / "adapters"
+    shutil.copytree(directory / "adapters" / "attn-r4", root / "swap")
+    config = EngineConfig(
+        model=str(directory / "base"),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_cache_bytes=1 << 20,
+        max_lora_rank=8,
+        adapter_root=str(root),
+    )
+    llm = LLM.from_engine(LLMEngine(config), _Tokenizer())
+    first = llm.add_adapter("swap")
+    outputs = llm.generate(prompts[:2], GREEDY, adapters="swap")
+    assert [output.token_ids for output in outputs] == references["attn-r4"][:2]
+    shutil.rmtree(root / "swap")
+    shutil.copytree(directory / "adapters" / "all-r8", root / "swap")
+    second = llm.add_adapter("swap")
+    assert second.sha256 != first.sha256
+    outputs = llm.generate(prompts[:2], GREEDY, adapters="swap")
+    assert [output.token_ids for output in outputs] == references["all-r8"][:2]
+    llm.engine.shutdown()
+
+
+def test_failed_load_ends_only_its_requests(eight, tmp_path: Path) -> None:
+    directory, prompts, references = eight
+    root = tmp_path / "adapters"
+    shutil.copytree(directory / "adapters" / "q-r3", root / "changed")
+    config = EngineConfig(
+        model=str(directory / "base"),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_cache_bytes=1 << 20,
+        max_lora_rank=8,
+        adapter_root=str(root),
+    )
+    llm = LLM.from_engine(LLMEngine(config), _Tokenizer())
+    llm.add_adapter("changed")
+    # The files change after registration: the load's checksum check refuses them.
+    shutil.copy(
+        directory / "adapters" / "down-r5" / "adapter_model.safetensors",
+        root / "changed" / "adapter_model.safetensors",
+    )
+    outputs = llm.generate(prompts[:2], GREEDY, adapters=["changed", None])
+    assert outputs[0].finish_reason is FinishReason.ERROR
+    assert "checksum" in outputs[0].error or "sha256" in outputs[0].error
+    assert outputs[1].token_ids == references[None][1]
+    assert llm.engine.adapters.gate.num_held == 0
+    llm.engine.shutdown()
+
+
+def test_unknown_adapters_are_refused_before_queueing(eight) -> None:
+    directory, prompts, _ = eight
+    llm = _llm(directory)
+    with pytest.raises(NotFoundError, match="nope"):
+        llm.generate(prompts[:1], GREEDY, adapters="nope")
+    assert not llm.engine.has_unfinished()
+    llm.engine.shutdown()
+    base_only = LLM.from_engine(
+        LLMEngine(
+            EngineConfig(model=str(directory / "base"), device="cpu", kv_cache_bytes=1 << 20)
+        ),
+        _Tokenizer(),
+    )
+    assert base_only.engine.info.max_loras == 0
+    with pytest.raises(NotFoundError, match="LoRA adapters are off"):
+        base_only.generate(prompts[:1], GREEDY, adapters="attn-r4")
+    with pytest.raises(FailedPreconditionError):
+        base_only.add_adapter("attn-r4")

@@ -292,6 +292,8 @@ class CudaModelRunner(BaseModelRunner):
     def _eager(self, batch: ScheduledBatch) -> torch.Tensor:
         """Prefill, mixed or oversized steps: the fused kernels without a graph."""
         input_ids, positions, metadata = self.prepare_inputs(batch)
+        if self.tensor_parallel is not None:  # the other ranks run the same step
+            self.tensor_parallel.send_step(input_ids, positions, metadata)
         self.eager_steps += 1
         # Every token's K/V lands in the cache, whether any row samples or not.
         return self.fast.forward(input_ids, positions, metadata)
@@ -352,6 +354,13 @@ class CudaModelRunner(BaseModelRunner):
         if pending:
             host.sources[:count] = torch.tensor(sources, dtype=torch.long)
         # Whole rows (contiguous, pinned): entries past a row's blocks (stale) are never read.
+        if self.tensor_parallel is not None:  # the other ranks replay the same graph
+            self.tensor_parallel.send_decode(
+                host.ids[:count],
+                host.positions[:count],
+                host.tables[:count],
+                host.sources[:count] if pending else None,
+            )
         outputs = self.fast.decode(
             host.ids[:count],
             host.positions[:count],

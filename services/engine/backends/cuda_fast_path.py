@@ -315,14 +315,19 @@ def _tune_projections(model: nn.Module) -> list[TunedLinear]:
         role = _ROLES.get(name.rpartition(".")[2])
         if role is None:
             continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if isinstance(getattr(module, "inner", None), nn.Module):
+            # A tensor-parallel RowParallel (parallel/weights.py): tune its projection, keep
+            # its all-reduce.
+            parent, child, module = module, "inner", module.inner
         if isinstance(module, TunedLinear):
             tuned.append(module)
             continue
         if type(module) is not nn.Linear:
             raise InvalidArgumentError(f"{name} is a {type(module).__name__}, not a projection")
-        parent_name, _, child = name.rpartition(".")
         replacement = TunedLinear(module, role)
-        setattr(model.get_submodule(parent_name), child, replacement)
+        setattr(parent, child, replacement)
         tuned.append(replacement)
     return tuned
 

@@ -6,13 +6,17 @@ layout, its model builder, and the step transfer. Rank 0 owns the scheduler and 
 manager; before each forward it broadcasts the step's flat inputs (token ids, positions, KV
 slots, lengths, block tables) as two int64 tensors: a fixed header of sizes, then one payload.
 No pickle, no Python objects: ranks 1..N-1 rebuild the same AttentionMetadata from the tensors
-and run the same forward, so every all-reduce meets its peers in the same order.
+and run the same forward, so every all-reduce meets its peers in the same order. A CUDA-graph
+decode step (the CUDA fast path, its graphs captured with the all-reduces inside on every rank)
+sends only token ids, positions, block tables and, where a token is the previous step's
+sampled id still on the GPU, its source row: every rank replays the same graph.
 """
 
 from __future__ import annotations
 
 import logging
 import subprocess
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,7 +34,7 @@ logger = logging.getLogger(__name__)
 # Header: opcode, tokens, sequences, block-table width, max query len, max seq len, pure decode,
 # logits rows, block size.
 HEADER_SIZE = 9
-OP_STOP, OP_STEP = 0, 1
+OP_STOP, OP_STEP, OP_DECODE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -83,6 +87,25 @@ class TensorParallelGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass
+class StepMessage:
+    """One flat step: what BaseModelRunner's forward takes."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+
+
+@dataclass
+class DecodeMessage:
+    """One CUDA-graph decode step: what CudaFastPath.decode takes."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    sources: torch.Tensor | None
 
 
 class TensorParallelRank:
@@ -157,22 +180,57 @@ class TensorParallelRank:
         payload = torch.cat([part.to(device=device, dtype=torch.int64) for part in parts])
         self.group.broadcast(payload)
 
+    def send_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        sources: torch.Tensor | None,
+    ) -> None:
+        """Rank 0: give the other ranks one graph decode step's inputs (before its replay)."""
+        count, width = block_tables.shape
+        header = [OP_DECODE, count, width, int(sources is not None), 0, 0, 0, 0, 0]
+        device = self.group.device
+        self.group.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
+        parts = [input_ids, positions, block_tables.reshape(-1)]
+        if sources is not None:
+            parts.append(sources)
+        payload = torch.cat([part.to(device=device, dtype=torch.int64) for part in parts])
+        self.group.broadcast(payload)
+
     def send_stop(self) -> None:
         """Rank 0: tell the other ranks to leave their step loop."""
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=self.group.device)
         header[0] = OP_STOP
         self.group.broadcast(header)
 
-    def receive_step(
-        self,
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
-        """Ranks 1..N-1: the next step's inputs from rank 0, or None when told to stop."""
+    def receive(self) -> StepMessage | DecodeMessage | None:
+        """Ranks 1..N-1: the next step from rank 0, or None when told to stop."""
         device = self.group.device
         header_tensor = torch.empty(HEADER_SIZE, dtype=torch.int64, device=device)
         self.group.broadcast(header_tensor)
         header = header_tensor.tolist()
         if header[0] == OP_STOP:
             return None
+        if header[0] == OP_DECODE:
+            return self._receive_decode(header)
+        return self._receive_step(header)
+
+    def _receive_decode(self, header: list[int]) -> DecodeMessage:
+        _, count, width, has_sources = header[:4]
+        sizes = [count, count, count * width] + ([count] if has_sources else [])
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.group.device)
+        self.group.broadcast(payload)
+        parts = payload.split(sizes)
+        return DecodeMessage(
+            input_ids=parts[0],
+            positions=parts[1],
+            block_tables=parts[2].to(torch.int32).view(count, width),
+            sources=parts[3] if has_sources else None,
+        )
+
+    def _receive_step(self, header: list[int]) -> StepMessage:
+        device = self.group.device
         _, tokens, seqs, width, max_query, max_seq, pure_decode, logits, block_size = header
         sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs, logits, seqs * width]
         payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
@@ -195,7 +253,7 @@ class TensorParallelRank:
             seq_lens_host=seq_lens.tolist(),
             context_lens_host=context_lens.tolist(),
         )
-        return ids, positions, metadata
+        return StepMessage(ids, positions, metadata)
 
     def close(self) -> None:
         """Rank 0: stop the other ranks, wait for their processes; any rank: leave the group."""

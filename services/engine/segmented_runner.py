@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from services.common.errors import InvalidArgumentError
+from services.common.errors import FailedPreconditionError, InvalidArgumentError
 from services.common.model_files import ModelFiles
 from services.engine.backends import segments
 from services.engine.backends.onnx_export import load_or_export
@@ -63,6 +63,10 @@ class SegmentedModelRunner(BaseModelRunner):
         if backend not in SEGMENT_EXECUTORS:
             known = ", ".join(sorted(SEGMENT_EXECUTORS))
             raise InvalidArgumentError(f"unknown segment backend {backend!r}; known: {known}")
+        if kwargs.get("tensor_parallel") is not None:
+            raise FailedPreconditionError(
+                f"backend {backend!r} runs the whole model on one device: no tensor parallelism"
+            )
         device = torch.device(kwargs.get("device", "cpu"))
         if kwargs.get("dtype") is None and device.type == "cpu":
             kwargs["dtype"] = torch.float32
@@ -72,7 +76,8 @@ class SegmentedModelRunner(BaseModelRunner):
         self._use_cpu_kernels = cpu_kernels
         self._export_root = export_root
         self._seed = kwargs.get("seed", 0)
-        self._executor_factory = _executor_factory(backend)  # fail fast: before any weight
+        # fail fast: libraries and device checked before any weight is built
+        self._executor_factory = _executor_factory(backend, device)
         self.segments: Any = None
         super().__init__(model_files, backend=ATTENTION_BACKEND, **kwargs)
         self.backend_name = backend
@@ -81,6 +86,12 @@ class SegmentedModelRunner(BaseModelRunner):
     def from_engine_config(
         cls, config: EngineConfig, model_files: ModelFiles
     ) -> SegmentedModelRunner:
+        if config.max_num_seqs is None or config.max_num_batched_tokens is None:
+            from services.engine.device_limits import resolve_limits
+            from services.engine.model_runner import load_model_config
+
+            model_config = load_model_config(model_files, config.max_model_len)
+            config, _ = resolve_limits(config, model_config, config.resolved_device())
         arguments = runner_arguments(config)
         return cls(
             model_files,
@@ -138,6 +149,12 @@ class SegmentedModelRunner(BaseModelRunner):
                 for param in module.parameters():
                     if param is not embedding:
                         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def bind_lora(self, adapters: Any) -> None:
+        """LoRA deltas attach to the torch projections, which the exported graphs replace."""
+        raise FailedPreconditionError(
+            f"LoRA adapters are served by backend 'torch', not {self.segment_backend!r}"
+        )
 
     # ---- steps ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -198,9 +215,10 @@ class SegmentedModelRunner(BaseModelRunner):
         return out.reshape(-1, q_size)
 
 
-def _executor_factory(backend: str) -> Any:
-    """The backend's executor builder, after checking that its libraries import."""
+def _executor_factory(backend: str, device: torch.device) -> Any:
+    """The backend's executor builder, after checking its libraries and the device."""
     module_name, _, function = SEGMENT_EXECUTORS[backend].partition(":")
     module = importlib.import_module(module_name)
     module.check_installed()
+    module.check_device(device)
     return getattr(module, function)

@@ -61,6 +61,13 @@ def check_installed() -> None:
             ) from None
 
 
+def check_device(device: torch.device) -> None:
+    """Raise FailedPreconditionError before any weight loads where `device` has no provider."""
+    import onnxruntime as ort
+
+    providers_for(torch.device(device), ort.get_available_providers())
+
+
 def create_executor(
     graphs: SegmentGraphs,
     config: ModelConfig,

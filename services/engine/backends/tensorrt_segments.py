@@ -43,6 +43,14 @@ def check_installed() -> None:
     import_tensorrt()
 
 
+def check_device(device: torch.device) -> None:
+    """Raise FailedPreconditionError before any weight loads where `device` is not CUDA."""
+    if torch.device(device).type != "cuda":
+        raise FailedPreconditionError(
+            f"backend 'tensorrt' runs on a CUDA device, not {device}; on CPU use 'onnxruntime'"
+        )
+
+
 def create_executor(
     graphs: SegmentGraphs,
     config: ModelConfig,
@@ -59,10 +67,8 @@ def create_executor(
     """The "tensorrt" forward backend's executor: engines for every graph of `graphs`."""
     trt = import_tensorrt(trt)
     device = torch.device(device)
-    if require_cuda and device.type != "cuda":
-        raise FailedPreconditionError(
-            f"backend 'tensorrt' runs on a CUDA device, not {device}; on CPU use 'onnxruntime'"
-        )
+    if require_cuda:
+        check_device(device)
     if gpu is None:
         gpu = GpuIdentity.of(device)
     if graph_capture is None and device.type == "cuda":

@@ -263,3 +263,7 @@ def create_fake_executor(graphs: Any, config: Any, device: Any, **limits: Any) -
 
 def check_installed() -> None:
     """The fake is always installed."""
+
+
+def check_device(device: Any) -> None:
+    """The fake runs on the CPU."""

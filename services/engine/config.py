@@ -143,6 +143,11 @@ class EngineConfig:
                 f"tensor_parallel_size > 1 runs the backends {TENSOR_PARALLEL_BACKENDS}, "
                 f"not {self.backend!r}"
             )
+        if self.tensor_parallel_size > 1 and self.adapter_root is not None:
+            raise InvalidArgumentError(
+                "LoRA adapters (adapter_root) are not served with tensor_parallel_size > 1: "
+                "their deltas are not split over the ranks"
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidArgumentError("enable_prefix_caching must be a boolean")
         if self.forward_thread_policy not in FORWARD_THREAD_POLICIES:

@@ -80,7 +80,7 @@ def shard_parameter(name: str, tensor: torch.Tensor, layout: ShardLayout) -> tor
 def shard_checkpoint_tensor(name: str, tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """This rank's part of the Hugging Face checkpoint tensor `name`."""
     parts = name.split(".")
-    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+    module = parts[-2] if len(parts) >= 2 else ""
     if module == "q_proj":
         return _rows(tensor, layout.query_rows())
     if module in ("k_proj", "v_proj"):
@@ -89,7 +89,6 @@ def shard_checkpoint_tensor(name: str, tensor: torch.Tensor, layout: ShardLayout
         return _rows(tensor, layout.intermediate_rows())
     if module in ROW_PARALLEL:
         return shard_parameter(name, tensor, layout)
-    del kind
     return tensor
 
 

@@ -101,9 +101,11 @@ def test_a_size_the_model_cannot_split_is_refused_before_any_rank_starts():
         create_parallel_runner(config, resolve_model("dummy:tiny"))
 
 
-def test_exported_graph_backends_are_refused_with_tensor_parallelism():
+def test_exported_graphs_and_lora_are_refused_with_tensor_parallelism():
     with pytest.raises(InvalidArgumentError, match="tensor_parallel_size > 1"):
         EngineConfig(**{**SETTINGS, "backend": "onnxruntime"}, tensor_parallel_size=2)
+    with pytest.raises(InvalidArgumentError, match="LoRA adapters"):
+        EngineConfig(**SETTINGS, tensor_parallel_size=2, adapter_root="/tmp")
     with pytest.raises(InvalidArgumentError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(**SETTINGS, tensor_parallel_size=0)
 

@@ -96,20 +96,15 @@ def write_peft_adapters(
 
 
 def greedy_tokens(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> list:
-    """transformers' greedy generate of each prompt alone (no EOS stop)."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(
-        do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0
-    )
+    """Each prompt alone, `max_tokens` argmax steps of the full forward (EOS does not stop it)."""
     results = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
-            )
-            results.append(out[0, ids.shape[1] :].tolist())
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.float().argmax()))
+            results.append(ids[len(prompt) :])
     return results
 
 

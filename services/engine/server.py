@@ -1,4 +1,4 @@
-"""The engine worker's gRPC service: EngineSession (bidirectional, batched) and Info.
+"""The engine worker's gRPC service: EngineSession (bidirectional, batched), Info, InspectAdapter.
 
 A thin servicer: it converts protobuf to domain objects, hands them to the `EngineLoop` (the
 thread that owns the LLMEngine) and fans the loop's outputs back out to sessions. The asyncio
@@ -12,6 +12,10 @@ loop never waits on a forward step.
   idle, at most every `load_report_interval_s`.
 - When a session ends (router gone, or it half-closes and its requests are done), all its live
   requests are aborted, so their KV blocks are freed.
+- LoRA: a submit naming an adapter carries its registration (`adapter_spec`, from the router's
+  registry), which the engine registers before it holds the request; a load that fails ends
+  that request with the error's status. `InspectAdapter` validates an adapter directory under
+  --adapter-root on a worker thread (the router calls it when an adapter is added).
 - Health is NOT_SERVING until the model is loaded and warmed (LLMEngine.warm_up: kernels
   compiled, graphs replayed, sampler paths run), so first requests pay none of that.
 
@@ -34,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
+from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common import event_loop, metrics, tracing
 from services.common.config import describe
 from services.common.errors import SluiceError, UnavailableError
@@ -42,7 +46,13 @@ from services.common.grpc_server import start_server
 from services.common.protocol.codec import sampling_params_from_pb
 from services.engine.engine_loop import EngineLoop, LoopOutput, Rejection, Submit
 from services.engine.outputs import EngineLoad
-from services.engine.server_convert import fill_update, load_to_pb, rejection_to_pb
+from services.engine.server_convert import (
+    adapter_record_from_pb,
+    adapter_record_to_pb,
+    fill_update,
+    load_to_pb,
+    rejection_to_pb,
+)
 from services.engine.server_metrics import MetricsRecorder
 from services.engine.worker_config import WorkerConfig
 
@@ -76,6 +86,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.engine_id = uuid.uuid4().hex[:12]
         self._load_report_interval_s = load_report_interval_s
         self._loop_thread: EngineLoop | None = None
+        self._engine: Any = None
         self._info: Any = None
         self._sessions: dict[str, _Session] = {}
         self._session_numbers = itertools.count(1)
@@ -88,6 +99,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def attach(self, engine: Any, asyncio_loop: asyncio.AbstractEventLoop) -> EngineLoop:
         """Start serving `engine` (an LLMEngine); outputs come back on `asyncio_loop`."""
         self._asyncio_loop = asyncio_loop
+        self._engine = engine
         self._info = engine.info
         self._metrics = MetricsRecorder(engine)
         config = getattr(engine, "config", None)  # tests drive fakes without one
@@ -140,8 +152,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             device=str(info.device),
             dtype=str(info.dtype),
             execution_path=info.execution_path,
+            max_loras=getattr(info, "max_loras", 0),
+            max_lora_rank=getattr(info, "max_lora_rank", 0),
             load=load_to_pb(self._load) if self._load else None,
         )
+
+    async def InspectAdapter(
+        self, request: engine_pb2.InspectAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AdapterSpec:
+        """Check an adapter under --adapter-root against the model (reads files on a worker
+        thread, never the step thread); INVALID_ARGUMENT / NOT_FOUND with the reason."""
+        self._ready()
+        record = await asyncio.to_thread(self._engine.inspect_adapter, request.name, request.path)
+        return adapter_record_to_pb(record)
 
     async def EngineSession(
         self,
@@ -204,6 +227,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 continue
             try:
                 params = sampling_params_from_pb(item.params)
+                spec = (
+                    adapter_record_from_pb(item.adapter_spec)
+                    if item.adapter and item.HasField("adapter_spec")
+                    else None
+                )
             except SluiceError as exc:
                 refused.append(_refusal(request_id, exc.code, exc.message))
                 continue
@@ -215,6 +243,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     params,
                     adapter=item.adapter or None,
                     priority=item.priority,
+                    adapter_spec=spec,
                 )
             )
         if submits:
@@ -336,6 +365,9 @@ async def serve(config: WorkerConfig, *, stop_event: asyncio.Event | None = None
         await running.stop(config.network.shutdown_grace_s)
         if engine_loop is not None:
             await asyncio.to_thread(engine_loop.stop)
+            served = servicer._engine
+            if served is not None:
+                served.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

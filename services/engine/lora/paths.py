@@ -14,7 +14,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from services.common.errors import FailedPreconditionError, InvalidArgumentError
+from services.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -27,8 +27,9 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
 def resolve_adapter_dir(path: str, adapter_root: str | Path | None) -> Path:
     """The real directory of an adapter given by `path` (absolute, or relative to the root).
 
-    Raises InvalidArgumentError, with the reason, for a URL, a `..` component, a path that does
-    not exist, leads outside `adapter_root` after symlinks, or lacks the PEFT safetensors files.
+    Raises InvalidArgumentError, with the reason, for a URL, a `..` component, a path that
+    leads outside `adapter_root` after symlinks, or lacks the PEFT safetensors files;
+    NotFoundError for a path that does not exist.
     """
     if adapter_root is None:
         raise FailedPreconditionError(
@@ -46,7 +47,9 @@ def resolve_adapter_dir(path: str, adapter_root: str | Path | None) -> Path:
     candidate = Path(path) if Path(path).is_absolute() else root / path
     try:
         directory = candidate.resolve(strict=True)
-    except (OSError, RuntimeError) as exc:  # missing, or a symlink loop
+    except FileNotFoundError as exc:
+        raise NotFoundError(f"adapter path {path!r} does not exist") from exc
+    except (OSError, RuntimeError) as exc:  # a symlink loop, unreadable
         raise InvalidArgumentError(f"adapter path {path!r} does not exist") from exc
     _require_inside(directory, root, path)
     if not directory.is_dir():

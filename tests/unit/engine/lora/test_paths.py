@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import FailedPreconditionError, InvalidArgumentError
+from services.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from services.engine.lora.paths import (
     checksum_of,
     read_adapter_files,
@@ -49,7 +49,6 @@ def test_symlink_inside_the_root_is_followed(root: Path) -> None:
         ("s3://bucket/adapter", "URL"),
         ("hf:org/adapter", "URL"),
         ("file:///etc", "URL"),
-        ("team/missing", "does not exist"),
         ("", "non-empty"),
         ("team/\x00sql", "NUL"),
     ],
@@ -57,6 +56,11 @@ def test_symlink_inside_the_root_is_followed(root: Path) -> None:
 def test_refused_paths(root: Path, path: str, reason: str) -> None:
     with pytest.raises(InvalidArgumentError, match=reason):
         resolve_adapter_dir(path, root)
+
+
+def test_missing_path_is_not_found(root: Path) -> None:
+    with pytest.raises(NotFoundError, match="does not exist"):
+        resolve_adapter_dir("team/missing", root)
 
 
 def test_absolute_path_outside_the_root_is_refused(root: Path, tmp_path: Path) -> None:

@@ -169,7 +169,9 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--kv-cache-bytes", type=int, help="engines: bytes of KV cache each")
     up.add_argument("--max-num-seqs", type=int, help="engines: most sequences per step")
     up.add_argument("--device", help="engines: cpu, cuda, cuda:N or auto")
-    up.add_argument("--backend", help="engines: forward backend (torch, ...)")
+    up.add_argument(
+        "--backend", help="engines: forward backend (torch, cuda, onnxruntime or tensorrt)"
+    )
     up.add_argument(
         "--adapter-root",
         help="engines: directory that LoRA adapters registered with `sluice adapters add` must "

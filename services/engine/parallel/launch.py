@@ -124,6 +124,8 @@ def create_parallel_runner(config: EngineConfig, model_files: ModelFiles) -> Bas
             process.kill()
         raise
     atexit.register(tensor_parallel.close)
+    path = getattr(runner, "execution_path", "") or f"{config.backend} ops"
+    runner.execution_path = f"{path}, tensor parallel over {world_size} ranks"
     logger.info("tensor parallel: %d ranks, init %s", world_size, init_method)
     return runner
 

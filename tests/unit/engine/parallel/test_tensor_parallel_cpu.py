@@ -84,6 +84,7 @@ def generate(engine: LLMEngine, max_tokens: int) -> dict[str, list[int]]:
 def test_two_ranks_give_the_logits_of_one(single: LLMEngine, pair: LLMEngine):
     assert pair.runner.model_config.num_heads == 2  # rank 0 holds half the heads
     assert pair.runner.model_config.num_kv_heads == 1
+    assert pair.info.execution_path == "torch ops, tensor parallel over 2 ranks"
     for ours, reference in zip(run_steps(pair.runner, 4), run_steps(single.runner, 4), strict=True):
         assert ours.shape == reference.shape == (3, single.runner.model_config.vocab_size)
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)

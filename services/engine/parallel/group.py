@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 HEADER_SIZE = 9
 OP_STOP, OP_STEP, OP_DECODE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 600.0
+RANK_STOP_TIMEOUT_S = 30.0
 
 
 def backend_for(device: torch.device) -> str:
@@ -111,8 +113,12 @@ class DecodeMessage:
 class TensorParallelRank:
     """What a model runner of one rank needs: its layout, model, and the step transfer."""
 
-    def __init__(self, group: TensorParallelGroup) -> None:
+    def __init__(
+        self, group: TensorParallelGroup, *, stopping: threading.Event | None = None
+    ) -> None:
         self.group = group
+        # Set when rank 0 stops the group: its rank processes may end from then on.
+        self.stopping = stopping or threading.Event()
         self.rank = group.rank
         self.world_size = group.world_size
         self.layout: ShardLayout | None = None
@@ -257,6 +263,7 @@ class TensorParallelRank:
 
     def close(self) -> None:
         """Rank 0: stop the other ranks, wait for their processes; any rank: leave the group."""
+        self.stopping.set()
         if self.rank == 0 and self.followers:
             try:
                 self.send_stop()
@@ -264,7 +271,7 @@ class TensorParallelRank:
                 logger.warning("tensor-parallel ranks not told to stop: %s", exc)
             for process in self.followers:
                 try:
-                    process.wait(timeout=30)
+                    process.wait(timeout=RANK_STOP_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - a rank that does not leave is killed
                     process.kill()
             self.followers = []

@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -40,7 +41,7 @@ NO_MULTICAST_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
-RANK_STOP_TIMEOUT_S = 30.0
+RANK_CHECK_S = 1.0
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -109,6 +110,8 @@ def create_parallel_runner(config: EngineConfig, model_files: ModelFiles) -> Bas
         )
         for rank in range(1, world_size)
     ]
+    stopping = threading.Event()
+    exit_when_a_rank_dies(followers, stopping)
     try:
         group = TensorParallelGroup(
             rank=0,
@@ -116,10 +119,11 @@ def create_parallel_runner(config: EngineConfig, model_files: ModelFiles) -> Bas
             init_method=init_method,
             device=torch.device(rank_device(config, 0)),
         )
-        tensor_parallel = TensorParallelRank(group)
+        tensor_parallel = TensorParallelRank(group, stopping=stopping)
         tensor_parallel.followers = followers
         runner = build_rank_runner(config, model_files, tensor_parallel)
     except BaseException:
+        stopping.set()
         for process in followers:
             process.kill()
         raise
@@ -128,6 +132,31 @@ def create_parallel_runner(config: EngineConfig, model_files: ModelFiles) -> Bas
     runner.execution_path = f"{path}, tensor parallel over {world_size} ranks"
     logger.info("tensor parallel: %d ranks, init %s", world_size, init_method)
     return runner
+
+
+def exit_when_a_rank_dies(
+    followers: list[subprocess.Popen], stopping: threading.Event
+) -> threading.Thread:
+    """End this process (rank 0) at once when another rank's process ends unasked.
+
+    The group cannot step without every rank (NCCL would wait for the lost one until the
+    collective timeout); exiting lets the engine's supervisor restart the whole group.
+    """
+
+    def watch() -> None:
+        while not stopping.wait(RANK_CHECK_S):
+            for process in followers:
+                if process.poll() is not None and not stopping.is_set():
+                    logger.error(
+                        "tensor-parallel rank process %d ended (exit %s): stopping the engine",
+                        process.pid,
+                        process.returncode,
+                    )
+                    os._exit(1)
+
+    thread = threading.Thread(target=watch, name="rank-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def free_port() -> int:

@@ -8,6 +8,8 @@ same runner and rank loop code, with a barrier standing in for the collectives.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -20,6 +22,7 @@ from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.cpu_runner import CpuModelRunner
 from services.engine.llm_engine import LLMEngine
+from services.engine.parallel import launch
 from services.engine.parallel.group import TensorParallelRank
 from services.engine.parallel.launch import create_parallel_runner
 from services.engine.parallel.rank_main import serve_steps
@@ -182,3 +185,29 @@ def test_four_ranks_with_shared_kv_heads_give_the_logits_of_one(single: LLMEngin
         for thread in threads:
             thread.join(timeout=30)
     assert not errors
+
+
+def test_rank_zero_leaves_when_a_rank_process_ends_unasked(monkeypatch):
+    exits: list[int] = []
+    exited = threading.Event()
+
+    def record_exit(code: int) -> None:
+        exits.append(code)
+        exited.set()
+
+    monkeypatch.setattr(launch.os, "_exit", record_exit)
+    monkeypatch.setattr(launch, "RANK_CHECK_S", 0.05)
+    stopping = threading.Event()
+    lost = subprocess.Popen([sys.executable, "-c", "pass"])
+    watcher = launch.exit_when_a_rank_dies([lost], stopping)
+    assert exited.wait(10)
+    assert exits[:1] == [1]
+    stopping.set()
+    watcher.join(5)
+
+    asked = subprocess.Popen([sys.executable, "-c", "pass"])
+    stopping, exits[:] = threading.Event(), []
+    stopping.set()  # the group was stopped: its ranks end on purpose
+    launch.exit_when_a_rank_dies([asked], stopping).join(5)
+    asked.wait(10)
+    assert exits == []

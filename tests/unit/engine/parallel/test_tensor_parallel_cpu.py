@@ -2,8 +2,9 @@
 
 The group is started as `sluice serve engine --tensor-parallel-size 2` starts it (LLMEngine
 builds its runner; rank 1 is a child process running rank_main), on dummy:tiny in float32.
-A TP=4 split with KV heads shared by two ranks each runs in threads of this process over the
-same runner and rank loop code, with a barrier standing in for the collectives.
+A TP=4 split with KV heads shared by two ranks each, and TP=2 on a Hugging Face checkpoint
+with biases, run in threads of this process over the same runner and rank loop code, with a
+barrier standing in for the collectives.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from services.common.errors import InvalidArgumentError
-from services.common.model_files import resolve_model
+from services.common.model_files import ModelFiles, resolve_model
 from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.cpu_runner import CpuModelRunner
@@ -26,7 +28,13 @@ from services.engine.parallel import launch
 from services.engine.parallel.group import TensorParallelRank
 from services.engine.parallel.launch import create_parallel_runner
 from services.engine.parallel.rank_main import serve_steps
-from tests.unit.engine.models.helpers import BlockAllocator, step
+from tests.unit.engine.models.helpers import (
+    BlockAllocator,
+    files_for,
+    hf_config,
+    save_random_model,
+    step,
+)
 
 BLOCK_SIZE = 16
 SETTINGS = dict(
@@ -58,11 +66,11 @@ def pair() -> Iterator[LLMEngine]:
     assert [process.returncode for process in followers] == [0]  # left on rank 0's stop
 
 
-def run_steps(runner, steps: int) -> list[torch.Tensor]:
+def run_steps(runner, steps: int, prompts: list[list[int]] = PROMPTS) -> list[torch.Tensor]:
     """A prefill of every prompt, then decode steps of each greedy token; the logits of each."""
     allocator = BlockAllocator(runner.num_blocks // 2, BLOCK_SIZE, seed=1)
-    lengths = {seq: len(tokens) for seq, tokens in enumerate(PROMPTS)}
-    pieces = [(seq, list(tokens), 0, True) for seq, tokens in enumerate(PROMPTS)]
+    lengths = {seq: len(tokens) for seq, tokens in enumerate(prompts)}
+    pieces = [(seq, list(tokens), 0, True) for seq, tokens in enumerate(prompts)]
     results = []
     for _ in range(steps):
         logits = runner.execute(step(allocator, pieces))
@@ -145,46 +153,68 @@ class ThreadGroup:
         pass
 
 
-def test_four_ranks_with_shared_kv_heads_give_the_logits_of_one(single: LLMEngine):
-    files = resolve_model("dummy:tiny")  # 4 query heads, 2 KV heads: each KV head on 2 ranks
-    barrier, shared = threading.Barrier(4), {}
-    ranks = [TensorParallelRank(ThreadGroup(rank, 4, shared, barrier)) for rank in range(4)]
+def logits_over_threads(files: ModelFiles, world_size: int, prompts: list[list[int]]) -> list:
+    """run_steps' logits on rank 0 of `world_size` ranks in threads of this process."""
+    barrier, shared = threading.Barrier(world_size), {}
+    ranks = [
+        TensorParallelRank(ThreadGroup(rank, world_size, shared, barrier))
+        for rank in range(world_size)
+    ]
     runners: dict[int, CpuModelRunner] = {}
     errors: list[BaseException] = []
 
     def build_and_serve(rank: int) -> None:
         try:
-            runners[rank] = CpuModelRunner(
-                files,
-                dtype=torch.float32,
-                block_size=BLOCK_SIZE,
-                kv_cache_bytes=1 << 20,
-                cpu_kernels=False,
-                tensor_parallel=ranks[rank],
-            )
+            runners[rank] = tiny_cpu_runner(files, ranks[rank])
             if rank > 0:
                 serve_steps(runners[rank], ranks[rank])
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=build_and_serve, args=(rank,)) for rank in range(1, 4)]
+    threads = [threading.Thread(target=build_and_serve, args=(r,)) for r in range(1, world_size)]
     for thread in threads:
         thread.start()
     build_and_serve(0)
     try:
         assert not errors
-        assert runners[0].model_config.num_kv_heads == 1
-        for ours, reference in zip(
-            run_steps(runners[0], 3), run_steps(single.runner, 3), strict=True
-        ):
-            torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+        assert runners[0].model_config.num_heads * world_size == 4
+        return run_steps(runners[0], 3, prompts)
     finally:
         if not errors:
             ranks[0].send_stop()
         for thread in threads:
             thread.join(timeout=30)
-    assert not errors
+        assert not errors
+
+
+def tiny_cpu_runner(files: ModelFiles, tensor_parallel: TensorParallelRank | None):
+    return CpuModelRunner(
+        files,
+        dtype=torch.float32,
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=1 << 20,
+        cpu_kernels=False,
+        tensor_parallel=tensor_parallel,
+    )
+
+
+def test_four_ranks_with_shared_kv_heads_give_the_logits_of_one(single: LLMEngine):
+    files = resolve_model("dummy:tiny")  # 4 query heads, 2 KV heads: each KV head on 2 ranks
+    ours = logits_over_threads(files, 4, PROMPTS)
+    for mine, reference in zip(ours, run_steps(single.runner, 3), strict=True):
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_two_ranks_on_a_checkpoint_with_biases_give_its_logits(tmp_path: Path):
+    # q/k/v, o_proj and MLP biases: column shards cut theirs, row-parallel ones add theirs once.
+    save_random_model(hf_config("llama", attention_bias=True, mlp_bias=True), tmp_path, seed=5)
+    files = files_for(tmp_path)
+    prompts = [list(range(3, 40)), [9, 8, 7, 6]]
+    ours = logits_over_threads(files, 2, prompts)
+    reference = run_steps(tiny_cpu_runner(files, None), 3, prompts)
+    for mine, theirs in zip(ours, reference, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_rank_zero_leaves_when_a_rank_process_ends_unasked(monkeypatch):

@@ -152,11 +152,16 @@ def exit_when_a_rank_dies(
                         process.pid,
                         process.returncode,
                     )
-                    os._exit(1)
+                    leave(1)
 
     thread = threading.Thread(target=watch, name="rank-watch", daemon=True)
     thread.start()
     return thread
+
+
+def leave(code: int) -> None:
+    """End this process now, skipping clean-up that would wait on the lost rank."""
+    os._exit(code)
 
 
 def free_port() -> int:

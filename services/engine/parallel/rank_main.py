@@ -72,7 +72,7 @@ def exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
@@ -94,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     runner = build_rank_runner(config, files, tensor_parallel)
     steps = serve_steps(runner, tensor_parallel)
     logger.info("stopped after %d steps", steps)
-    group.close()
-    return 0
+    logging.shutdown()
+    # Leave without tearing the process group down: the collective library's threads can
+    # abort a normal interpreter exit (std::terminate) while rank 0 still holds the group.
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

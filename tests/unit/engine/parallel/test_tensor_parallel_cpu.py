@@ -225,7 +225,7 @@ def test_rank_zero_leaves_when_a_rank_process_ends_unasked(monkeypatch):
         exits.append(code)
         exited.set()
 
-    monkeypatch.setattr(launch.os, "_exit", record_exit)
+    monkeypatch.setattr(launch, "leave", record_exit)
     monkeypatch.setattr(launch, "RANK_CHECK_S", 0.05)
     stopping = threading.Event()
     lost = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -5,6 +5,9 @@
 layout, its model builder, and the step transfer. Rank 0 owns the scheduler and the block
 manager; before each forward it broadcasts the step's flat inputs (token ids, positions, KV
 slots, lengths, block tables) as two int64 tensors: a fixed header of sizes, then one payload.
+They travel on the host, over a gloo group beside the main one: rank 0 never waits for its GPU
+to send a step (graph decode inputs are already in pinned host memory), and NCCL carries only
+the all-reduces of the activations.
 No pickle, no Python objects: ranks 1..N-1 rebuild the same AttentionMetadata from the tensors
 and run the same forward, so every all-reduce meets its peers in the same order. A CUDA-graph
 decode step (the CUDA fast path, its graphs captured with the all-reduces inside on every rank)
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +50,8 @@ def backend_for(device: torch.device) -> str:
 
 
 class TensorParallelGroup:
-    """One rank's membership of the group (the default torch.distributed group)."""
+    """One rank's membership of the group: the default torch.distributed group for the
+    all-reduces (NCCL or gloo) and a gloo group for host tensors (steps, block counts)."""
 
     def __init__(
         self,
@@ -69,6 +74,7 @@ class TensorParallelGroup:
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
@@ -76,14 +82,14 @@ class TensorParallelGroup:
         return tensor
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `tensor` into every rank's `tensor` (same shape and dtype), in place."""
-        dist.broadcast(tensor, src=0)
+        """Rank 0's host `tensor` into every rank's (same shape and dtype), in place."""
+        dist.broadcast(tensor, src=0, group=self.control)
         return tensor
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value`."""
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
         return int(tensor.item())
 
     def close(self) -> None:
@@ -171,8 +177,7 @@ class TensorParallelRank:
             metadata.logits_indices.numel(),
             metadata.block_size,
         ]
-        device = self.group.device
-        self.group.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
+        self.group.broadcast(torch.tensor(header, dtype=torch.int64))
         parts = (
             input_ids,
             positions,
@@ -183,8 +188,7 @@ class TensorParallelRank:
             metadata.logits_indices,
             tables.reshape(-1),
         )
-        payload = torch.cat([part.to(device=device, dtype=torch.int64) for part in parts])
-        self.group.broadcast(payload)
+        self.group.broadcast(_host_payload(parts))
 
     def send_decode(
         self,
@@ -196,24 +200,21 @@ class TensorParallelRank:
         """Rank 0: give the other ranks one graph decode step's inputs (before its replay)."""
         count, width = block_tables.shape
         header = [OP_DECODE, count, width, int(sources is not None), 0, 0, 0, 0, 0]
-        device = self.group.device
-        self.group.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
+        self.group.broadcast(torch.tensor(header, dtype=torch.int64))
         parts = [input_ids, positions, block_tables.reshape(-1)]
         if sources is not None:
             parts.append(sources)
-        payload = torch.cat([part.to(device=device, dtype=torch.int64) for part in parts])
-        self.group.broadcast(payload)
+        self.group.broadcast(_host_payload(parts))
 
     def send_stop(self) -> None:
         """Rank 0: tell the other ranks to leave their step loop."""
-        header = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=self.group.device)
+        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         header[0] = OP_STOP
         self.group.broadcast(header)
 
     def receive(self) -> StepMessage | DecodeMessage | None:
         """Ranks 1..N-1: the next step from rank 0, or None when told to stop."""
-        device = self.group.device
-        header_tensor = torch.empty(HEADER_SIZE, dtype=torch.int64, device=device)
+        header_tensor = torch.empty(HEADER_SIZE, dtype=torch.int64)
         self.group.broadcast(header_tensor)
         header = header_tensor.tolist()
         if header[0] == OP_STOP:
@@ -225,9 +226,9 @@ class TensorParallelRank:
     def _receive_decode(self, header: list[int]) -> DecodeMessage:
         _, count, width, has_sources = header[:4]
         sizes = [count, count, count * width] + ([count] if has_sources else [])
-        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.group.device)
+        payload = torch.empty(sum(sizes), dtype=torch.int64)
         self.group.broadcast(payload)
-        parts = payload.split(sizes)
+        parts = payload.split(sizes)  # host tensors: CudaFastPath.decode copies them over
         return DecodeMessage(
             input_ids=parts[0],
             positions=parts[1],
@@ -236,14 +237,15 @@ class TensorParallelRank:
         )
 
     def _receive_step(self, header: list[int]) -> StepMessage:
-        device = self.group.device
         _, tokens, seqs, width, max_query, max_seq, pure_decode, logits, block_size = header
         sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs, logits, seqs * width]
-        payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+        payload = torch.empty(sum(sizes), dtype=torch.int64)
         self.group.broadcast(payload)
-        ids, positions, slots, starts, seq_lens, context_lens, rows, tables = payload.split(sizes)
+        host = payload.split(sizes)
+        starts_host, seq_lens_host, context_lens_host = (host[i].tolist() for i in (3, 4, 5))
+        parts = payload.to(self.group.device).split(sizes)
+        ids, positions, slots, starts, seq_lens, context_lens, rows, tables = parts
         int32 = torch.int32
-        starts_host = starts.tolist()
         metadata = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=starts.to(int32),
@@ -256,8 +258,8 @@ class TensorParallelRank:
             logits_indices=rows,
             block_size=block_size,
             query_start_loc_host=starts_host,
-            seq_lens_host=seq_lens.tolist(),
-            context_lens_host=context_lens.tolist(),
+            seq_lens_host=seq_lens_host,
+            context_lens_host=context_lens_host,
         )
         return StepMessage(ids, positions, metadata)
 
@@ -276,3 +278,8 @@ class TensorParallelRank:
                     process.kill()
             self.followers = []
         self.group.close()
+
+
+def _host_payload(parts: Iterable[torch.Tensor]) -> torch.Tensor:
+    """One int64 host tensor of `parts` (device parts are copied to the host)."""
+    return torch.cat([part.to(device="cpu", dtype=torch.int64).reshape(-1) for part in parts])

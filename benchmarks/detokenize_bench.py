@@ -21,36 +21,18 @@ import asyncio
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import psutil
 
+from benchmarks.tokenize_hop_bench import start_tokenizer
 from protos.sluice.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import event_loop
-from services.launcher import (
-    ChildProcess,
-    StackConfig,
-    free_port,
-    spawn_service,
-    terminate,
-    wait_until_serving,
-)
+from services.launcher import terminate
 
 HEADROOM = 0.7  # plan each replica at this fraction of its measured ceiling
-
-
-def start_tokenizer() -> ChildProcess:
-    config = StackConfig(log_dir=Path(tempfile.mkdtemp(prefix="detokenize-bench-")))
-    child = spawn_service(config, "tokenizer", "tokenizer", free_port(), [])
-    try:
-        wait_until_serving(child, time.monotonic() + config.startup_timeout_s)
-    except Exception:
-        terminate([child], config.stop_grace_s)
-        raise
-    return child
 
 
 def word_ids() -> list[int]:
@@ -151,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     ids = word_ids()
-    child = start_tokenizer()
+    child = start_tokenizer("detokenize-bench-")
     try:
         process = psutil.Process(child.process.pid)
         cpu_before, wall_before = process.cpu_times(), time.monotonic()

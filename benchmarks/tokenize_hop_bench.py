@@ -40,8 +40,9 @@ PROMPT = "Explain how a paged KV cache works in three sentences."
 WARMUP = 20
 
 
-def _start_tokenizer() -> ChildProcess:
-    config = StackConfig(log_dir=Path(tempfile.mkdtemp(prefix="tokenize-hop-bench-")))
+def start_tokenizer(prefix: str = "tokenize-hop-bench-") -> ChildProcess:
+    """`sluice serve tokenizer` (the default model's) as its own process, once SERVING."""
+    config = StackConfig(log_dir=Path(tempfile.mkdtemp(prefix=prefix)))
     child = spawn_service(config, "tokenizer", "tokenizer", free_port(), [])
     try:
         wait_until_serving(child, time.monotonic() + config.startup_timeout_s)
@@ -109,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.requests < 1 or args.rounds < 1 or args.pause_ms < 0:
         parser.error("--requests and --rounds must be >= 1, --pause-ms >= 0")
-    child = _start_tokenizer()
+    child = start_tokenizer()
     try:
         results = event_loop.run(
             run(args.requests, args.rounds, args.pause_ms / 1e3, child.address, child.process.pid)

@@ -6,15 +6,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
-from services.client import SluiceClient
+from benchmarks.faults import key_works, make_key
 from services.common.errors import FailedPreconditionError
 from services.common.redis_server import (
     LocalRedisServer,
@@ -106,31 +103,6 @@ def test_restart_refuses_a_running_server(tmp_path: Path) -> None:
         server.stop()
 
 
-def _make_key(redis_url: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "keys", "add", "--name", "persist"],
-        env={**os.environ, "SLUICE_REDIS_URL": redis_url},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return result.stdout.strip().splitlines()[-1]
-
-
-def _key_works(address: str, key: str, wait_s: float = 10.0) -> bool:
-    """Whether a request with `key` succeeds within `wait_s` (routers reload keys every 2 s)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            with SluiceClient(address, api_key=key, timeout_s=60.0) as client:
-                return client.complete("Hi", max_tokens=2, temperature=0.0).completion_tokens == 2
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAUTHENTICATED or time.monotonic() > deadline:
-                return False
-            time.sleep(0.5)
-
-
 @pytest.mark.slow
 def test_api_keys_survive_a_restart_of_the_whole_stack(stack_factory, tmp_path: Path) -> None:  # noqa: ANN001
     overrides = {
@@ -141,10 +113,10 @@ def test_api_keys_survive_a_restart_of_the_whole_stack(stack_factory, tmp_path: 
         "engine_args": ("--kv-cache-bytes", str(8 * 1024 * 1024)),
     }
     first = stack_factory(**overrides)
-    key = _make_key(first.redis_url)
-    assert _key_works(first.router_address, key)
-    assert not _key_works(first.router_address, key + "x", wait_s=0)  # keys are really checked
+    key = make_key(first.redis_url)
+    assert key_works(first.router_address, key)
+    assert not key_works(first.router_address, key + "x", wait_s=0)  # keys are really checked
     first.stop()
     second = stack_factory(**overrides)
     assert second.redis_url != first.redis_url  # a new server, the same files
-    assert _key_works(second.router_address, key)
+    assert key_works(second.router_address, key)

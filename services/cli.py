@@ -168,6 +168,12 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--max-queued-tokens", type=int, help="router: queue bound (prompt tokens)")
     up.add_argument("--kv-cache-bytes", type=int, help="engines: bytes of KV cache each")
     up.add_argument("--max-num-seqs", type=int, help="engines: most sequences per step")
+    up.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="engines: GPUs each engine splits the model over (default 1); one engine per "
+        "that many GPUs",
+    )
     up.add_argument("--device", help="engines: cpu, cuda, cuda:N or auto")
     up.add_argument(
         "--backend", help="engines: forward backend (torch, cuda, onnxruntime or tensorrt)"
@@ -218,13 +224,24 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
     if namespace.adapter_root:  # engines (Ray actors too) may run in another directory
         namespace.adapter_root = str(Path(namespace.adapter_root).expanduser().resolve())
     engine_args = _flag_pairs(
-        namespace, ("kv_cache_bytes", "max_num_seqs", "device", "backend", "adapter_root")
+        namespace,
+        (
+            "kv_cache_bytes",
+            "max_num_seqs",
+            "device",
+            "backend",
+            "adapter_root",
+            "tensor_parallel_size",
+        ),
     )
     try:
         engines, engine_gpus = 1 if namespace.engines is None else namespace.engines, ()
         if namespace.no_ray:  # Ray places one actor per GPU itself
             engines, engine_gpus = plan_engine_processes(
-                namespace.engines, namespace.device, visible_gpus()
+                namespace.engines,
+                namespace.device,
+                visible_gpus(),
+                namespace.tensor_parallel_size or 1,
             )
         config = StackConfig(
             model=namespace.model,
@@ -282,6 +299,7 @@ def _ray_config(namespace: argparse.Namespace) -> object | None:
         ray_address=namespace.ray_address,
         ray_dashboard=namespace.ray_dashboard,
         engine_max_restarts=namespace.engine_max_restarts,
+        gpus_per_engine=namespace.tensor_parallel_size or 1,
     )
 
 

@@ -238,24 +238,29 @@ def start_engine_processes(config: StackConfig, model: ModelSpec) -> list[ChildP
 
 
 def plan_engine_processes(
-    engines: int | None, device: str | None, gpus: Sequence[str]
+    engines: int | None, device: str | None, gpus: Sequence[str], gpus_per_engine: int = 1
 ) -> tuple[int, tuple[str, ...]]:
-    """(engine count, GPU per engine) for engines run as processes (`sluice up --no-ray`).
+    """(engine count, GPUs of each engine) for engines run as processes (`sluice up --no-ray`).
 
-    Data parallel by default: one engine per visible GPU, each pinned to its own. On CPU (no
+    Data parallel by default: as many engines as the visible GPUs hold, each pinned to its own
+    `gpus_per_engine` GPUs (its tensor-parallel group; CUDA_VISIBLE_DEVICES "0,1"). On CPU (no
     GPU, or --device cpu): the asked count (default 1), unpinned. An explicit --device cuda:N
-    keeps every engine on that device. More engines than GPUs is refused: two engines on one
+    keeps every engine on that device. More GPUs than there are is refused: two engines on one
     GPU would each size their KV cache from the same free memory."""
+    if gpus_per_engine < 1:
+        raise InvalidArgumentError(f"GPUs per engine must be >= 1, got {gpus_per_engine}")
     on_gpu = bool(gpus) and (device is None or device in ("auto", "cuda"))
     if not on_gpu:
         return (1 if engines is None else engines), ()
-    count = len(gpus) if engines is None else engines
-    if count > len(gpus):
+    count = len(gpus) // gpus_per_engine if engines is None else engines
+    if count < 1 or count * gpus_per_engine > len(gpus):
         raise InvalidArgumentError(
-            f"{count} engines but {len(gpus)} GPUs ({', '.join(gpus)}): one engine per GPU "
-            "(use --device cpu for CPU engines)"
+            f"{max(count, 1)} engines of {gpus_per_engine} GPUs each but {len(gpus)} GPUs "
+            f"({', '.join(gpus)}): each engine needs GPUs of its own (--device cpu for CPU engines)"
         )
-    return count, tuple(gpus[:count])
+    return count, tuple(
+        ",".join(gpus[i * gpus_per_engine : (i + 1) * gpus_per_engine]) for i in range(count)
+    )
 
 
 def metrics_flags(config: StackConfig, offset: int) -> list[str]:

@@ -59,6 +59,9 @@ class RayClusterConfig:
         help="on a joined cluster, the gRPC port each engine actor binds on its node (None: a "
         "free one; a taken port falls back to a free one)",
     )
+    gpus_per_engine: int = field(
+        1, help="GPUs of one engine actor (its tensor-parallel size); one actor per that many"
+    )
     engine_metrics_port: int | None = field(
         None,
         help="on a local Ray, engine i serves Prometheus /metrics on this port + i (None: off)",
@@ -70,6 +73,8 @@ class RayClusterConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.gpus_per_engine < 1:
+            raise InvalidArgumentError(f"gpus_per_engine must be >= 1, got {self.gpus_per_engine}")
         if self.engines is not None and (not isinstance(self.engines, int) or self.engines < 1):
             raise InvalidArgumentError(f"engines must be >= 1, got {self.engines!r}")
         if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
@@ -146,9 +151,10 @@ class RayCluster:
         import ray
 
         gpus = int(ray.cluster_resources().get("GPU", 0))
+        per_engine = self.config.gpus_per_engine
         if self.config.engines is not None:
-            return self.config.engines, gpus >= self.config.engines
-        return (gpus, True) if gpus > 0 else (1, False)
+            return self.config.engines, gpus >= self.config.engines * per_engine
+        return (gpus // per_engine, True) if gpus >= per_engine else (1, False)
 
     def _metrics_port(self, index: int, fixed_ports: bool, worker: WorkerConfig) -> int | None:
         """Engine `index`'s metrics port: its own on a local Ray (one node, distinct ports)."""
@@ -189,7 +195,7 @@ class RayCluster:
             )
             handle = actor_class.options(
                 name=f"sluice-{engine_id}",
-                num_gpus=1 if use_gpu else 0,
+                num_gpus=self.config.gpus_per_engine if use_gpu else 0,
                 num_cpus=0 if use_gpu else 1,
                 max_restarts=self.config.engine_max_restarts,
                 max_task_retries=0,

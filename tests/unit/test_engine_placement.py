@@ -14,6 +14,15 @@ def test_one_engine_per_gpu_by_default() -> None:
     assert plan_engine_processes(2, "cuda", ["0", "1", "2"]) == (2, ("0", "1"))
 
 
+def test_a_tensor_parallel_engine_gets_a_group_of_gpus() -> None:
+    assert plan_engine_processes(None, None, ["0", "1", "2", "3"], 2) == (2, ("0,1", "2,3"))
+    assert plan_engine_processes(1, "cuda", ["0", "1", "2"], 2) == (1, ("0,1",))
+    with pytest.raises(InvalidArgumentError, match="2 engines of 2 GPUs each but 3 GPUs"):
+        plan_engine_processes(2, None, ["0", "1", "2"], 2)
+    with pytest.raises(InvalidArgumentError, match="1 engines of 4 GPUs each"):
+        plan_engine_processes(None, None, ["0", "1"], 4)
+
+
 def test_cpu_engines_are_not_pinned() -> None:
     assert plan_engine_processes(None, None, []) == (1, ())
     assert plan_engine_processes(3, "cpu", ["0", "1"]) == (3, ())
@@ -21,7 +30,7 @@ def test_cpu_engines_are_not_pinned() -> None:
 
 
 def test_more_engines_than_gpus_is_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match="3 engines but 2 GPUs"):
+    with pytest.raises(InvalidArgumentError, match="3 engines of 1 GPUs each but 2 GPUs"):
         plan_engine_processes(3, None, ["0", "1"])
     with pytest.raises(InvalidArgumentError, match="need 2 GPUs"):
         StackConfig(engines=2, engine_gpus=("0",))

@@ -146,6 +146,7 @@ def test_up_builds_the_stack_config(
 
     class FakeStack:
         router_address = "127.0.0.1:6000"
+        engine_addresses = ()
 
         def __init__(self, config: launcher.StackConfig) -> None:
             configs.append(config)

@@ -34,6 +34,7 @@ from services.common.protocol.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 WARMUP_ID_PREFIX = "warmup-"
+MAX_WARMUP_OUTPUT = 4  # the most tokens a warm-up request generates
 # The sampler paths a step can take, each with the parameters that select it.
 SAMPLER_PATHS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
@@ -103,7 +104,7 @@ def plan_warmup(
 ) -> WarmupPlan:
     """What to run before SERVING on this engine. `decode_batches`: the runner's CUDA-graph
     buckets (empty: none). Rounds are kept within the KV cache and the engine's limits."""
-    max_prompt = max(1, max_model_len - 2)
+    max_prompt = max(1, max_model_len - MAX_WARMUP_OUTPUT)  # prompt + output fit the context
     if device_type != "cuda":
         rounds = (
             WarmupRound("prefill+decode", (min(8, max_prompt),), 2),
@@ -130,9 +131,10 @@ def plan_warmup(
         batches.append(batch)
         rounds.append(WarmupRound(f"decode batch {batch}", (4,) * batch, 3))
     mixed = min(max_num_seqs - 1, 8)
-    if mixed >= 1 and (mixed + 1) * 4 + 64 <= capacity_tokens:
-        # Staggered lengths: short prompts decode while the long one still prefills.
-        long_prompt = min(max(64, max_num_batched_tokens // 2), max_prompt)
+    long_prompt = min(max_num_batched_tokens, max_prompt)
+    if mixed >= 1 and mixed * 4 + long_prompt + 8 <= capacity_tokens:
+        # The short prompts fill the first step's budget before the long one, which is chunked:
+        # its last chunk runs in one step with the short ones' decodes (a mixed step).
         rounds.append(WarmupRound("mixed", (4,) * mixed + (long_prompt,), 4))
     paths = tuple(SAMPLER_PATHS)
     for path in paths[1:]:

@@ -8,7 +8,7 @@ from services.common.errors import FailedPreconditionError
 from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.warmup import SAMPLER_PATHS, plan_warmup, prefill_token_counts
+from services.engine.warmup import SAMPLER_PATHS, plan_warmup, prefill_token_counts, warm_up
 from tests.unit.engine.fake_runner import FakeModelRunner
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -101,3 +101,28 @@ def test_warm_up_refuses_an_engine_with_requests():
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(FailedPreconditionError):
         engine.warm_up()
+
+
+@pytest.mark.parametrize("max_model_len, budget", [(64, 64), (64, 256), (200, 48)])
+def test_the_gpu_plan_runs_through_an_engine_within_its_context(max_model_len, budget):
+    runner = FakeModelRunner(
+        vocab_size=300, num_blocks=512, block_size=4, max_model_len=max_model_len
+    )
+    config = EngineConfig(
+        model="fake", device="cpu", max_num_seqs=16, max_num_batched_tokens=budget
+    )
+    engine = LLMEngine(config, model_runner=runner)
+    plan = plan_warmup(
+        device_type="cuda",
+        max_num_seqs=16,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        num_blocks=512,
+        block_size=4,
+        decode_batches=(1, 2, 4, 8, 16, 24),
+    )
+    for warm_round in plan.rounds:
+        assert max(warm_round.prompt_lengths) + warm_round.max_tokens <= max_model_len
+    report = warm_up(engine, plan)
+    assert report.steps >= len(plan.rounds) and not engine.has_unfinished()
+    assert engine.load().free_blocks == engine.load().total_blocks

@@ -39,6 +39,7 @@ from typing import Any
 
 from services.router.admission import AdmissionQueue
 from services.router.dispatch import EngineCapacity, Placement
+from services.router.prefix_affinity import PrefixAffinity
 
 _HOLD = "hold"  # no engine can take this request at all: stop dispatching
 _SKIP = "skip"  # this adapter must wait; others may go
@@ -74,6 +75,7 @@ class LoraAwarePolicy:
         self.exchanges: dict[str, str] = {}  # starving adapter -> the engine reserved for it
         self.victims: dict[str, set[str]] = {}  # engine -> adapters draining there for them
         self._holding_since: dict[tuple[str, str], float] = {}  # (engine, adapter) -> when
+        self.affinity = PrefixAffinity()  # among equal choices, where the prompt's prefix went
 
     def schedule(self, queue: AdmissionQueue, engines: list[EngineCapacity]) -> list[Placement]:
         now = self._clock()
@@ -126,19 +128,30 @@ class LoraAwarePolicy:
         if not fits:
             return _HOLD
         if not adapter:
-            return max(fits, key=_capacity_order)
+            return self._affine(request, adapter, fits)
         allowed = [e for e in fits if self.admits(e, adapter)]
         if not allowed:
             return _SKIP
         warm = [e for e in allowed if e.warm(adapter)]
         if warm:
-            return max(warm, key=_capacity_order)
+            return self._affine(request, adapter, warm)
         waited = now - request.arrival
         busy_warm = any(e.ready and e.warm(adapter) for e in engines)
         patience = min(min(self.swap_cost(e) for e in allowed), self.max_wait_s)
         if busy_warm and waited < patience:
             return _SKIP
         return max(allowed, key=lambda e: (-self.swap_cost(e), *_capacity_order(e)))
+
+    def _affine(
+        self, request: Any, adapter: str, candidates: list[EngineCapacity]
+    ) -> EngineCapacity:
+        """The engine with the most free capacity, or the one that holds the prompt's prefix
+        when it has nearly as much (prefix_affinity.py); remembers the choice."""
+        prompt = getattr(request, "prompt_token_ids", None) or ()
+        key = self.affinity.key(prompt, candidates[0].block_size, adapter)
+        chosen = self.affinity.choose(candidates, key, max(candidates, key=_capacity_order))
+        self.affinity.record(key, chosen.engine_id)
+        return chosen
 
     def _plan_exchanges(
         self, queue: AdmissionQueue, engines: list[EngineCapacity], now: float

@@ -7,6 +7,8 @@ serve with INVALID_ARGUMENT or NOT_FOUND and the reason, and records the SHA-256
 the engine's description in the registry. Requests then name the adapter; the router sends the
 stored spec with each submit, so engines load exactly the files that were checked. Removing
 unregisters (requests already admitted finish). Listing says where each adapter is resident.
+No adapter may be named `base` or like the served model: OpenAI clients select the served model
+without an adapter by those names (`"model": "base"`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from protos.sluice.v1 import router_pb2
-from services.common.errors import FailedPreconditionError, UnavailableError
+from services.common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from services.common.protocol.adapter_record import (
     AdapterRecord,
     validate_adapter_name,
@@ -23,6 +29,7 @@ from services.common.protocol.adapter_record import (
 from services.router.core import RouterCore
 
 Metadata = Iterable[tuple[str, str | bytes]] | None
+BASE_MODEL_ALIAS = "base"  # the served model without an adapter, as a request's model name
 
 
 def adapter_info(record: AdapterRecord, resident_on: Iterable[str] = ()) -> router_pb2.AdapterInfo:
@@ -51,8 +58,12 @@ async def add_adapter(
     core.auth.check(metadata)
     name = validate_adapter_name(request.name)
     path = validate_adapter_path(request.path)
-    await core.adapters.check_free(name)
     connections = core.pool.ready_connections()
+    if name == BASE_MODEL_ALIAS or (connections and name == connections[0].info.model):
+        raise InvalidArgumentError(
+            f"adapter name {name!r} is reserved: it names the served model without an adapter"
+        )
+    await core.adapters.check_free(name)
     if not connections:
         raise UnavailableError("no engine is ready to check the adapter; retry shortly")
     engine = min(connections, key=lambda c: (c.capacity.inflight, c.engine_id))

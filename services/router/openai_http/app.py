@@ -4,7 +4,10 @@
 - `POST /v1/completions`, `POST /v1/chat/completions`: `stream: true` answers with server-sent
   events ending in `data: [DONE]`; an error after the stream began is one `data: {"error": ...}`
   event before it;
-- `GET /v1/models`: the served model and each known LoRA adapter, as models;
+- `GET /v1/models`: the served model and each registered LoRA adapter, as models (an adapter's
+  `parent` is the served model and its `root` its path, as vLLM lists them); a body's `model`
+  is the served model's name or `base` (no adapter) or an adapter's name (that adapter),
+  anything else 404;
 - `GET /health` (200 while the router serves, else 503) and `GET /metrics` (Prometheus).
 Credentials come as `Authorization: Bearer <key>` (or `x-api-key`); `Idempotency-Key` is the
 request id of the gRPC path; `Sluice-Timeout-S` sets the request's deadline in seconds (the
@@ -28,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from protos.sluice.v1 import router_pb2
 from services.common.errors import SluiceError, UnavailableError
 from services.router import generation
+from services.router.adapter_admin import BASE_MODEL_ALIAS
 from services.router.core import RouterCore
 from services.router.openai_http.errors import (
     ModelNotFoundError,
@@ -91,9 +95,11 @@ class HttpFront:
             return error_response(error)
         data = []
         for model in listed.models:
-            data.append(self._model_card(model.name, max_model_len=model.context_length))
+            data.append(self._model_card(model.name, model.name, None, model.context_length))
             for adapter in model.adapters:
-                data.append(self._model_card(adapter.name, parent=model.name))
+                data.append(
+                    self._model_card(adapter.name, adapter.path, model.name, model.context_length)
+                )
         return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -114,7 +120,7 @@ class HttpFront:
         try:
             self.core.auth.check(metadata)  # before anything else is read or revealed
             parsed = parse(await _read_json(request))
-            parsed.generate.adapter = self._adapter_for(parsed.model)
+            parsed.generate.adapter = await self._adapter_for(parsed.model)
             parsed.generate.request_id = request.headers.get(IDEMPOTENCY_HEADER, "")
             time_remaining = _time_remaining(request.headers)
         except SluiceError as error:
@@ -136,26 +142,31 @@ class HttpFront:
                 return error_response(error)
             return _json(builder.whole(collected))
 
-    def _adapter_for(self, model: str) -> str:
-        """The adapter a body's `model` names ("" for the served model); 404 when unknown."""
+    async def _adapter_for(self, model: str) -> str:
+        """The adapter a body's `model` names ("" for the served model or `base`); 404 when it
+        is none of them. Looked up like the gRPC path's `adapter` (the registry's view, else its
+        store), so both fronts know the same adapters."""
         connections = self.core.pool.ready_connections()
         if connections:
             self._base_model = connections[0].info.model
-        if model == self._base_model:
+        if model in (BASE_MODEL_ALIAS, self._base_model):
             return ""
-        if model in self.core.known_adapters():
+        if await self.core.adapters.lookup(model) is not None:
             return model
         if self._base_model is None:
             raise UnavailableError("no engine is ready")
         raise ModelNotFoundError(model)
 
-    def _model_card(self, name: str, *, max_model_len: int = 0, parent: str = "") -> dict:
-        card = {"id": name, "object": "model", "created": self._created, "owned_by": "sluice"}
-        if parent:
-            card.update(root=parent, parent=parent)
-        else:
-            card.update(root=name, parent=None, max_model_len=max_model_len)
-        return card
+    def _model_card(self, name: str, root: str, parent: str | None, max_model_len: int) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "sluice",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
+        }
 
 
 async def _stream(

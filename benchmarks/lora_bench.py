@@ -1,0 +1,382 @@
+"""What multi-LoRA costs one engine step, against the base step measured in the same run.
+
+GPU mode (`--mode gpu`, default shape dummy:llama-3-8b in bfloat16, random weights, no files):
+the CUDA runner's fast path and its decode graphs, first without LoRA (the base step), then
+with the LoRA runtime bound (graphs captured again with the shrink/expand kernels in every
+replay) and 64 slots of random rank-16 adapters on all seven projections:
+
+- decode, batch of 64: base rows only through the LoRA-capable graphs, one adapter for the
+  whole batch, and 64 distinct adapters (one per row);
+- prefill of 8192 tokens: 4 sequences of 2048 tokens (4 adapters) and 8 sequences of 1024
+  tokens (8 adapters), each against its own base step;
+- the LoRA kernels alone for one decode step (every layer's four fused projections), and the
+  bytes of A and B a step of N distinct adapters must read, over the measured copy bandwidth:
+  the floor no kernel goes under.
+
+CPU mode (`--mode cpu`, the default model): the CPU runner's decode step of 32 sequences with
+k in {1, 4, 16} distinct random rank-16 adapters (all seven projections) against the same step
+of base rows only, in interleaved rounds (median of each), plus the step before LoRA was bound.
+
+Steps run through the runner directly (no tokenizer, gRPC, Ray or Redis), each timed as the
+mean wall time of `--iterations` back-to-back steps after warm-up, with `begin_step` (the
+engine's per-step LoRA layout) inside the timed loop. Prints one JSON report (`--output` too).
+
+    python -m benchmarks.lora_bench --mode gpu --output lora-gpu.json
+    python -m benchmarks.lora_bench --mode cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.model_files import ModelFiles
+from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
+from services.engine.lora.config import LoRAConfig
+from services.engine.lora.engine_adapters import EngineAdapters
+from services.engine.lora.projections import PROJECTIONS
+from services.engine.lora.weights import AdapterWeights, ProjectionWeights
+
+RANK = 16
+BLOCK_SIZE = 16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_bench", description=__doc__)
+    parser.add_argument("--mode", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--shape", default="llama-3-8b", help="dummy shape (gpu mode)")
+    parser.add_argument("--model", default=None, help="model (cpu mode; default model)")
+    parser.add_argument("--iterations", type=int, default=30, help="timed steps per sample")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved samples (cpu mode)")
+    parser.add_argument("--context", type=int, default=512, help="tokens before each decode")
+    parser.add_argument("--output", type=Path, default=None)
+    return parser
+
+
+# ---- shared ----------------------------------------------------------------------------------
+def random_adapter(
+    adapters: EngineAdapters, name: str, seed: int, device: torch.device, std: float = 0.01
+) -> AdapterWeights:
+    """Rank-RANK factors on all seven modules (the four fused projections, every slice)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    dtype = adapters.dtype
+    layers = []
+    for _ in range(adapters.model_config.num_layers):
+        layer = {}
+        for projection in PROJECTIONS:
+            shape = adapters.slots.shapes[projection]
+            a = torch.randn(
+                (shape.num_slices, RANK, shape.in_features), generator=generator, device=device
+            )
+            b = torch.randn((shape.out_features, RANK), generator=generator, device=device)
+            layer[projection] = ProjectionWeights((a * std).to(dtype), (b * std).to(dtype))
+        layers.append(layer)
+    modules = frozenset(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
+    return AdapterWeights(name, f"random-{seed}", RANK, modules, tuple(layers))
+
+
+class Blocks:
+    """Hands out KV blocks to synthetic sequences (never freed: the cache is sized for all)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.next = 0
+        self.num_blocks = num_blocks
+
+    def take(self, tokens: int) -> list[int]:
+        count = -(-tokens // BLOCK_SIZE)
+        if self.next + count > self.num_blocks:
+            raise RuntimeError(f"KV cache too small: {self.next + count} > {self.num_blocks}")
+        table = list(range(self.next, self.next + count))
+        self.next += count
+        return table
+
+
+def decode_batch(blocks: Blocks, rows: int, context: int, vocab: int) -> ScheduledBatch:
+    return ScheduledBatch(
+        [
+            ScheduledSequence(
+                seq_id=index,
+                token_ids=[(index * 7919) % vocab],
+                start_position=context,
+                block_table=blocks.take(context + 1),
+                needs_logits=True,
+            )
+            for index in range(rows)
+        ]
+    )
+
+
+def prefill_batch(blocks: Blocks, sequences: int, tokens: int, vocab: int) -> ScheduledBatch:
+    generator = torch.Generator().manual_seed(sequences)
+    return ScheduledBatch(
+        [
+            ScheduledSequence(
+                seq_id=1000 + index,
+                token_ids=torch.randint(0, vocab, (tokens,), generator=generator).tolist(),
+                start_position=0,
+                block_table=blocks.take(tokens),
+                needs_logits=True,
+            )
+            for index in range(sequences)
+        ]
+    )
+
+
+def with_slots(batch: ScheduledBatch, slots: list[int]) -> ScheduledBatch:
+    return ScheduledBatch(
+        [
+            ScheduledSequence(
+                seq.seq_id,
+                seq.token_ids,
+                seq.start_position,
+                seq.block_table,
+                seq.needs_logits,
+                slot,
+            )  # fmt: skip
+            for seq, slot in zip(batch.sequences, slots, strict=True)
+        ]
+    )
+
+
+def time_steps(
+    step: Callable[[], Any], iterations: int, sync: Callable[[], None], warmup: int = 3
+) -> float:
+    """Mean wall ms of `iterations` back-to-back steps (after `warmup` untimed ones)."""
+    for _ in range(warmup):
+        step()
+    sync()
+    started = time.perf_counter()
+    for _ in range(iterations):
+        step()
+    sync()
+    return (time.perf_counter() - started) * 1000.0 / iterations
+
+
+def runner_step(runner: Any, adapters: EngineAdapters | None, batch: ScheduledBatch) -> Callable:
+    def step() -> Any:
+        if adapters is not None:
+            adapters.begin_step(batch)
+        return runner.execute_greedy(batch)
+
+    return step
+
+
+def adapter_bytes(weights: AdapterWeights) -> int:
+    return weights.nbytes
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
+    from services.engine.cuda_runner import CudaModelRunner
+
+    device = torch.device("cuda")
+    files = ModelFiles(
+        name=f"dummy:{args.shape}", weights_dir=None, tokenizer_dir=Path("."),
+        dummy_shape=args.shape,
+    )  # fmt: skip
+    started = time.perf_counter()
+    runner = CudaModelRunner(
+        files, device="cuda", dtype=torch.bfloat16, max_num_seqs=64,
+        kv_cache_bytes=8 << 30, block_size=BLOCK_SIZE,
+    )  # fmt: skip
+    build_s = time.perf_counter() - started
+    config = runner.model_config
+    vocab = config.vocab_size
+    sync = torch.cuda.synchronize
+    blocks = Blocks(runner.num_blocks)
+    decode = decode_batch(blocks, 64, args.context, vocab)
+    prefills = {
+        "4x2048": prefill_batch(blocks, 4, 2048, vocab),
+        "8x1024": prefill_batch(blocks, 8, 1024, vocab),
+    }
+    it = args.iterations
+    base = {"decode64": time_steps(runner_step(runner, None, decode), it, sync)}
+    for label, batch in prefills.items():
+        base[f"prefill{label}"] = time_steps(
+            runner_step(runner, None, batch), max(it // 5, 3), sync
+        )
+
+    lora_config = LoRAConfig(
+        max_loras=64, max_cpu_loras=64, max_lora_rank=RANK, adapter_root="/nonexistent"
+    )
+    adapters = EngineAdapters(
+        lora_config, config, dtype=runner.dtype, device=device, kernels="triton", max_rows=8192
+    )
+    started = time.perf_counter()
+    runner.bind_lora(adapters)  # wraps the projections, captures the graphs again
+    bind_s = time.perf_counter() - started
+    weights = None
+    for slot in range(64):
+        weights = random_adapter(adapters, f"random-{slot}", seed=slot, device=device)
+        adapters.slots.write(slot, weights)
+    sync()
+    per_adapter = adapter_bytes(weights)
+
+    rows = len(decode.sequences)
+    cases = {
+        "decode64_base_rows": with_slots(decode, [-1] * rows),
+        "decode64_one_adapter": with_slots(decode, [0] * rows),
+        "decode64_64_adapters": with_slots(decode, list(range(rows))),
+    }
+    lora = {
+        name: time_steps(runner_step(runner, adapters, b), it, sync) for name, b in cases.items()
+    }
+    for label, batch in prefills.items():
+        count = len(batch.sequences)
+        lora[f"prefill{label}_{count}_adapters"] = time_steps(
+            runner_step(runner, adapters, with_slots(batch, list(range(count)))),
+            max(it // 5, 3),
+            sync,
+        )
+    kernels_ms = lora_kernel_ms(adapters, config, rows, sync, it)
+    bandwidth = copy_bandwidth_bytes_per_s()
+    floor_ms = {str(n): n * per_adapter / bandwidth * 1000.0 for n in (1, 8, 64)}
+    ratios = {
+        "decode64_base_rows": lora["decode64_base_rows"] / base["decode64"],
+        "decode64_one_adapter": lora["decode64_one_adapter"] / base["decode64"],
+        "decode64_64_adapters": lora["decode64_64_adapters"] / base["decode64"],
+        "prefill4x2048_4_adapters": lora["prefill4x2048_4_adapters"] / base["prefill4x2048"],
+        "prefill8x1024_8_adapters": lora["prefill8x1024_8_adapters"] / base["prefill8x1024"],
+    }
+    return {
+        "mode": "gpu",
+        "device": torch.cuda.get_device_name(),
+        "model": files.name,
+        "dtype": "bfloat16",
+        "rank": RANK,
+        "modules": "all seven (q, k, v, o, gate, up, down)",
+        "decode_context_tokens": args.context,
+        "iterations": it,
+        "execution_path": runner.execution_path,
+        "build_s": round(build_s, 1),
+        "bind_and_recapture_s": round(bind_s, 1),
+        "adapter_bytes": per_adapter,
+        "base_ms": _round(base),
+        "lora_ms": _round(lora),
+        "ratio_to_base": _round(ratios, 3),
+        "lora_kernels_alone_ms": _round(kernels_ms),
+        "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
+        "adapter_read_floor_ms": _round(floor_ms),
+    }
+
+
+def lora_kernel_ms(
+    adapters: EngineAdapters, config: Any, rows: int, sync: Callable[[], None], iterations: int
+) -> dict[str, float]:
+    """The shrink/expand launches of one decode step alone (all layers, four projections)."""
+    from services.engine.lora.batch import LoRABatch
+
+    runtime = adapters.runtime
+    shapes = adapters.slots.shapes
+    device = adapters.device
+    inputs = {
+        name: torch.randn(rows, shape.in_features, device=device, dtype=adapters.dtype)
+        for name, shape in shapes.items()
+    }
+    outputs = {
+        name: torch.zeros(rows, shape.out_features, device=device, dtype=adapters.dtype)
+        for name, shape in shapes.items()
+    }
+    result = {}
+    for label, slots in (("one_adapter", [0] * rows), ("64_adapters", list(range(rows)))):
+        runtime.set_batch(LoRABatch.from_row_slots(slots))
+
+        def step() -> None:
+            for layer in range(config.num_layers):
+                for name in PROJECTIONS:
+                    runtime.apply(layer, name, inputs[name], outputs[name])
+
+        result[label] = time_steps(step, iterations, sync)
+    return result
+
+
+def copy_bandwidth_bytes_per_s() -> float:
+    """Device-to-device copy rate, bytes read per second (a copy reads and writes each byte)."""
+    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    elapsed_ms = time_steps(lambda: target.copy_(source), 10, torch.cuda.synchronize)
+    return 2 * source.numel() / (elapsed_ms / 1000.0)
+
+
+# ---- CPU -------------------------------------------------------------------------------------
+def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
+    from services.common.model_files import resolve_model
+    from services.engine.cpu_runner import CpuModelRunner
+
+    files = resolve_model(args.model)
+    runner = CpuModelRunner(files, block_size=BLOCK_SIZE, kv_cache_bytes=1 << 30)
+    config = runner.model_config
+    blocks = Blocks(runner.num_blocks)
+    decode = decode_batch(blocks, 32, args.context, config.vocab_size)
+    it = args.iterations
+
+    def sync() -> None:
+        return None
+
+    base_ms = time_steps(runner_step(runner, None, decode), it, sync)
+    lora_config = LoRAConfig(
+        max_loras=16, max_cpu_loras=16, max_lora_rank=RANK, adapter_root="/nonexistent"
+    )
+    adapters = EngineAdapters(lora_config, config, dtype=runner.dtype, device="cpu")
+    runner.bind_lora(adapters)
+    for slot in range(16):
+        adapters.slots.write(
+            slot, random_adapter(adapters, f"random-{slot}", seed=slot, device=torch.device("cpu"))
+        )
+    rows = len(decode.sequences)
+    cases = {"base_rows": with_slots(decode, [-1] * rows)}
+    for k in (1, 4, 16):
+        cases[f"{k}_adapters"] = with_slots(decode, [row % k for row in range(rows)])
+    # Interleaved rounds, median per case: a shared CPU's noise hits every case alike.
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, batch in cases.items():
+            samples[name].append(time_steps(runner_step(runner, adapters, batch), it, sync))
+    lora_ms = {name: statistics.median(values) for name, values in samples.items()}
+    return {
+        "mode": "cpu",
+        "device": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "model": config.name,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "rank": RANK,
+        "batch": rows,
+        "decode_context_tokens": args.context,
+        "iterations": it,
+        "rounds": args.rounds,
+        "no_lora_ms_before_binding": round(base_ms, 3),
+        "median_ms": _round(lora_ms),
+        "ratio_to_base_rows": _round(
+            {key: value / lora_ms["base_rows"] for key, value in lora_ms.items()}, 3
+        ),
+    }
+
+
+def _round(values: dict[str, float], digits: int = 3) -> dict[str, float]:
+    return {key: round(value, digits) for key, value in values.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    report = gpu_main(args) if args.mode == "gpu" else cpu_main(args)
+    report["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output is not None:
+        args.output.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,8 +1,10 @@
 """LoRA adapters through a real stack on the default model (float32, CPU): registered with
 `sluice adapters add`, served all in flight together with the base model (2 device slots for 4
 adapters, so they are evicted and reloaded), each request's greedy tokens equal to transformers +
-peft with that adapter alone; and the refusals (path traversal, symlink escape, URL, unknown
-name, bad safetensors, wrong shapes) each with its status while the stack keeps serving."""
+peft with that adapter alone; the adapters as models of the OpenAI front (the `openai` package's
+greedy text equal to the gRPC path's); and the refusals (path traversal, symlink escape, URL,
+unknown name, bad safetensors, wrong shapes) each with its status while the stack keeps serving.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.adapters_cli import main as adapters_cli
+from services.common.ports import free_port
 from tests.integration.conftest import SMALL_KV_CACHE_BYTES
 
 torch = pytest.importorskip("torch")
@@ -72,12 +75,15 @@ def test_adapters_in_flight_together_match_peft_and_refusals(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     import grpc
+    import openai
 
     from protos.sluice.v1 import router_pb2, router_pb2_grpc
     from services.client import SluiceClient
 
     root, references = adapter_root
+    http_port = free_port()
     stack = stack_factory(
+        router_args=("--http-port", str(http_port)),
         engine_args=(
             "--kv-cache-bytes",
             str(SMALL_KV_CACHE_BYTES),
@@ -89,7 +95,7 @@ def test_adapters_in_flight_together_match_peft_and_refusals(
             str(root),
             "--max-loras",
             "2",
-        )
+        ),
     )
     target = stack.router_address
     names = [name for name in references if name is not None]
@@ -100,10 +106,12 @@ def test_adapters_in_flight_together_match_peft_and_refusals(
     assert all(name in listing for name in names)
 
     results: dict[tuple[str | None, int], list[int]] = {}
+    texts: dict[tuple[str | None, int], str] = {}
 
     def generate(adapter: str | None, index: int) -> None:
         with SluiceClient(target, timeout_s=300.0) as client:
             ids: list[int] = []
+            text = ""
             for response in client.generate(
                 token_ids=PROMPTS[index],
                 adapter=adapter or "",
@@ -112,7 +120,9 @@ def test_adapters_in_flight_together_match_peft_and_refusals(
                 ignore_eos=True,
             ):
                 ids.extend(response.token_ids)
+                text += response.text
             results[(adapter, index)] = ids
+            texts[(adapter, index)] = text
 
     jobs = [(adapter, i) for adapter in [None, *names] for i in range(len(PROMPTS))]
     threads = [threading.Thread(target=generate, args=job) for job in jobs]
@@ -128,6 +138,25 @@ def test_adapters_in_flight_together_match_peft_and_refusals(
     assert sorted(a.name for a in listed.adapters) == sorted(names)
     assert {a.sha256 for a in listed.adapters} and all(len(a.sha256) == 64 for a in listed.adapters)
     assert sum(bool(a.resident_on) for a in listed.adapters) <= 2  # 2 slots: some were evicted
+
+    http = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=300
+    )
+    base_model, *adapter_models = http.models.list().data
+    assert base_model.parent is None
+    assert {m.id: m.parent for m in adapter_models} == {name: base_model.id for name in names}
+    for model, adapter in (("attn-r4", "attn-r4"), ("base", None)):
+        whole = http.completions.create(
+            model=model,
+            prompt=PROMPTS[0],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
+        ids = [int(t.removeprefix("token_id:")) for t in whole.choices[0].logprobs.tokens]
+        assert ids == references[adapter][0], model
+        assert whole.choices[0].text == texts[(adapter, 0)], model
 
     refusals = [
         ("traversal", "../escape", "INVALID_ARGUMENT", 2),
@@ -151,6 +180,8 @@ def test_adapters_in_flight_together_match_peft_and_refusals(
         with pytest.raises(grpc.RpcError) as info:
             client.complete("hi", adapter="mlp-r8-rs", max_tokens=2)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(openai.NotFoundError):
+            http.completions.create(model="mlp-r8-rs", prompt="hi", max_tokens=2)
         # The stack keeps serving, the base model and the remaining adapters alike.
         assert client.complete("hi", max_tokens=2).finish_reason
         assert client.complete("hi", adapter="all-r2", max_tokens=2).finish_reason

@@ -9,9 +9,11 @@ replay) and 64 slots of random rank-16 adapters on all seven projections:
   whole batch, and 64 distinct adapters (one per row);
 - prefill of 8192 tokens: 4 sequences of 2048 tokens (4 adapters) and 8 sequences of 1024
   tokens (8 adapters), each against its own base step;
-- the LoRA kernels alone for one decode step (every layer's four fused projections), and the
-  bytes of A and B a step of N distinct adapters must read, over the measured copy bandwidth:
-  the floor no kernel goes under.
+- the LoRA kernels of one decode step (every layer's four fused projections) launched eagerly
+  one by one: on a fast GPU this is bounded by the host's launch rate, not the kernels (the
+  graph-captured rows above are the kernels' cost); and the bytes of A and B a step of N
+  distinct adapters must read, over the measured copy bandwidth: the floor no kernel goes
+  under.
 
 CPU mode (`--mode cpu`, the default model): the CPU runner's decode step of 32 sequences with
 k in {1, 4, 16} distinct random rank-16 adapters (all seven projections) against the same step

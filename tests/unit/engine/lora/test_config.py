@@ -38,3 +38,12 @@ def test_flags_and_environment_fill_the_engine_fields(monkeypatch: pytest.Monkey
     config = from_layers(EngineConfig, {"max_loras": "8", "max_cpu_loras": "32"})
     lora = LoRAConfig.from_engine_config(config)
     assert (lora.max_loras, lora.max_cpu_loras, lora.adapter_root) == (8, 32, "/srv/adapters")
+
+
+def test_serve_engine_flags_reach_the_engine() -> None:
+    from services.engine.worker_config import WorkerConfig
+
+    argv = ["--adapter-root", "/srv/adapters", "--max-loras", "3", "--max-cpu-loras", "5"]
+    config = WorkerConfig.from_argv([*argv, "--max-lora-rank", "16"])
+    lora = LoRAConfig.from_engine_config(config.engine)
+    assert lora == LoRAConfig(3, 5, 16, "/srv/adapters") and lora.enabled

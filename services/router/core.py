@@ -283,10 +283,6 @@ class RouterCore:
         if not self.pool.ready_connections():
             raise UnavailableError("no engine is ready")
 
-    def known_adapters(self) -> set[str]:
-        """The names requests may use: the registered adapters."""
-        return self.adapters.names()
-
     # ---- dispatch ----------------------------------------------------------------------------
     def schedule_dispatch(self) -> None:
         if not self._dispatch_scheduled:

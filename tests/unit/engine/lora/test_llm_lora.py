@@ -203,3 +203,51 @@ def test_unknown_adapters_are_refused_before_queueing(eight) -> None:
         base_only.generate(prompts[:1], GREEDY, adapters="attn-r4")
     with pytest.raises(FailedPreconditionError):
         base_only.add_adapter("attn-r4")
+
+
+def test_step_loop_sleeps_while_only_adapter_loads_are_pending(eight) -> None:
+    import threading
+    import time
+
+    from services.engine.engine_loop import EngineLoop, Submit
+
+    directory, prompts, references = eight
+    llm = _llm(directory, max_loras=2, max_cpu_loras=2)
+    llm.add_adapter("q-r3")
+    engine = llm.engine
+    manager = engine.adapters.manager
+    load = manager._load
+
+    def slow_load(record):  # noqa: ANN001, ANN202 - a disk that takes its time
+        time.sleep(0.6)
+        return load(record)
+
+    manager._load = slow_load
+    steps = 0
+    step = engine.step
+
+    def counted_step():  # noqa: ANN202
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counted_step
+    done = threading.Event()
+    tokens: list[int] = []
+
+    def on_output(output) -> None:  # noqa: ANN001
+        for delta in output.deltas:
+            tokens.extend(delta.new_token_ids)
+            if delta.finished:
+                done.set()
+
+    loop = EngineLoop(engine, on_output, load_report_interval_s=5.0)
+    loop.start()
+    loop.submit([Submit("r", prompts[0], GREEDY, adapter="q-r3")])
+    assert done.wait(30)
+    loop.stop()
+    engine.shutdown()
+    assert tokens == references["q-r3"][0]
+    # One step finds the adapter loading, the loop sleeps until the load ends, then the
+    # request's steps run: no busy stepping through the 0.6 s load.
+    assert steps <= MAX_TOKENS + 4, steps

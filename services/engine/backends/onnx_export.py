@@ -10,14 +10,14 @@ config.json, weight file sizes and times; name and seed for random weights), dty
 the exporter's version (this module's EXPORTER_VERSION, torch's and onnx's). A directory is
 written under a temporary name and renamed into place under a file lock, so two engines starting
 at once export once and a crash never leaves half a cache. `manifest.json` records each file's
-size and sha256; a file that does not match (truncated, overwritten) is found at load and the
-export is redone, or with `repair=False` reported as a FailedPreconditionError naming the file.
+size and sha256 (backends/onnx_cache.py); a file that does not match (truncated, overwritten)
+is found at load and the export is redone, or with `repair=False` reported as a
+FailedPreconditionError naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -26,7 +26,6 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,13 @@ from services.common import env
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
 from services.common.model_files import ModelFiles
 from services.engine.backends import segments
+from services.engine.backends.onnx_cache import (
+    SegmentGraphs,
+    file_lock,
+    read_graphs,
+    verify,
+    write_manifest,
+)
 from services.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -43,23 +49,10 @@ logger = logging.getLogger(__name__)
 # Bumped when the graphs or the layout of an export directory change.
 EXPORTER_VERSION = 1
 OPSET = 18
-MANIFEST = "manifest.json"
 # Largest token count the traced graphs are declared for (the dimension stays symbolic).
 MAX_TRACE_TOKENS = 1 << 20
-_ONNX_DTYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}
-
-
-@dataclass(frozen=True)
-class SegmentGraphs:
-    """Where an export's graphs are: graph paths per segment kind (one per layer, or one)."""
-
-    directory: Path
-    graphs: dict[str, list[Path]]
-    dtype: torch.dtype
-    digests: dict[str, str] = field(default_factory=dict)  # file name -> sha256
-
-    def path(self, kind: str, layer: int = 0) -> Path:
-        return self.graphs[kind][layer]
+# torch dtype -> ONNX TensorProto element type
+ONNX_DTYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}
 
 
 def model_identity(files: ModelFiles, config: ModelConfig, seed: int) -> dict[str, Any]:
@@ -110,16 +103,16 @@ def load_or_export(
 ) -> SegmentGraphs:
     """The model's segment graphs from the cache, exported first where missing or corrupt."""
     segments.check_exportable(config, model)
-    if dtype not in _ONNX_DTYPES:
+    if dtype not in ONNX_DTYPES:
         raise InvalidArgumentError(f"cannot export dtype {dtype} to ONNX")
     key = export_key(model_identity(files, config, seed), dtype)
     target = export_directory(key, root)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if target.exists():
             problem = verify(target)
             if problem is None:
-                return _graphs(target, dtype)
+                return read_graphs(target, dtype)
             if not repair:
                 raise FailedPreconditionError(
                     f"ONNX export cache {target} is corrupt ({problem}); delete it to export again"
@@ -133,7 +126,7 @@ def load_or_export(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return _graphs(target, dtype)
+    return read_graphs(target, dtype)
 
 
 def export_segments(
@@ -183,13 +176,7 @@ def export_segments(
         )
         graphs[kind].append(f"{stem}.onnx")
     bar.close()
-    files = {
-        path.name: {"size": path.stat().st_size, "sha256": _sha256(path)}
-        for path in sorted(directory.iterdir())
-        if path.name != MANIFEST
-    }
-    manifest = {"key": key or {}, "graphs": graphs, "files": files}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    manifest = write_manifest(directory, key or {}, graphs)
     return manifest
 
 
@@ -241,7 +228,7 @@ def with_weights(template: Any, module: torch.nn.Module) -> Any:
         tensor.data_location = onnx.TensorProto.DEFAULT
         for typed in ("float_data", "int32_data", "double_data"):
             tensor.ClearField(typed)
-        tensor.data_type = _ONNX_DTYPES[weight.dtype]
+        tensor.data_type = ONNX_DTYPES[weight.dtype]
         tensor.raw_data = weight.view(torch.uint8).numpy().tobytes()
         found.add(tensor.name)
     missing = set(params) - found
@@ -257,47 +244,6 @@ def _names_every_weight(proto: Any, module: torch.nn.Module) -> bool:
     return all(name in names for name, _ in module.named_parameters())
 
 
-def verify(directory: Path) -> str | None:
-    """What is wrong with an export directory (a file's size or checksum), or None."""
-    manifest_path = Path(directory) / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        graphs = manifest["graphs"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"unreadable {MANIFEST}: {exc}"
-    for name in (name for names in graphs.values() for name in names):
-        if name not in files:
-            return f"graph {name} is not in {MANIFEST}"
-    for name, expected in files.items():
-        path = Path(directory) / name
-        if not path.is_file():
-            return f"{name} is missing"
-        size = path.stat().st_size
-        if size != expected.get("size"):
-            return f"{name} has {size} bytes, expected {expected.get('size')}"
-        if _sha256(path) != expected.get("sha256"):
-            return f"{name} does not match its sha256"
-    return None
-
-
-def _graphs(directory: Path, dtype: torch.dtype) -> SegmentGraphs:
-    manifest = json.loads((directory / MANIFEST).read_text())
-    graphs = {
-        kind: [directory / name for name in names] for kind, names in manifest["graphs"].items()
-    }
-    digests = {name: entry["sha256"] for name, entry in manifest["files"].items()}
-    return SegmentGraphs(directory=directory, graphs=graphs, dtype=dtype, digests=digests)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 @contextlib.contextmanager
 def _quiet_loggers() -> Iterator[None]:
     """Silence the exporter's pass-by-pass INFO logs and registration warnings."""
@@ -311,13 +257,3 @@ def _quiet_loggers() -> Iterator[None]:
     finally:
         for each, level in zip(loggers, levels, strict=True):
             each.setLevel(level)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -18,7 +18,8 @@ import torch
 
 from services.common.errors import FailedPreconditionError
 from services.engine.backends import segments
-from services.engine.backends.onnx_export import _ONNX_DTYPES, SegmentGraphs
+from services.engine.backends.onnx_cache import SegmentGraphs
+from services.engine.backends.onnx_export import ONNX_DTYPES
 from services.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class OnnxRuntimeSegments:
         # would take the cores from the one session running and from torch's attention.
         # (Only where `threads` > 1.)
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._element_type = _ONNX_DTYPES[self.dtype]
+        self._element_type = ONNX_DTYPES[self.dtype]
         self._device_type = "cuda" if self.device.type == "cuda" else "cpu"
         self._device_id = self.device.index or 0
         self.sessions: dict[str, list] = {}
@@ -166,7 +167,7 @@ class OnnxRuntimeSegments:
             spec.outputs[0],
             self._device_type,
             self._device_id,
-            _ONNX_DTYPES[out_dtype],
+            ONNX_DTYPES[out_dtype],
             tuple(output.shape),
             output.data_ptr(),
         )

@@ -22,7 +22,7 @@ import torch
 
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
 from services.engine.backends import segments
-from services.engine.backends.onnx_export import SegmentGraphs
+from services.engine.backends.onnx_cache import SegmentGraphs
 from services.engine.backends.tensorrt_build import (
     EngineBuilder,
     GpuIdentity,

@@ -11,7 +11,8 @@ import torch
 
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
 from services.engine.backends import onnx_export, segments
-from services.engine.backends.onnx_export import MANIFEST, load_or_export, verify
+from services.engine.backends.onnx_cache import MANIFEST, verify
+from services.engine.backends.onnx_export import load_or_export
 from services.engine.backends.onnxruntime_segments import OnnxRuntimeSegments, providers_for
 from tests.unit.engine.backends.segment_models import family_model
 

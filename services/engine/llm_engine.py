@@ -79,12 +79,26 @@ class EngineInfo:
     max_lora_rank: int = 0
 
 
+def _check_lora_supported(config: EngineConfig) -> None:
+    """Refuse LoRA adapters where the forward would not apply them, before building anything."""
+    from services.engine.runner_factory import FORWARD_BACKEND_RUNNERS
+
+    if not LoRAConfig.from_engine_config(config).enabled:
+        return
+    if config.backend in FORWARD_BACKEND_RUNNERS:
+        raise FailedPreconditionError(
+            f"LoRA adapters (--adapter-root) are not served by the {config.backend} backend; "
+            "use the torch backend or leave --adapter-root unset"
+        )
+
+
 class LLMEngine(OverlappedSteps):
     """Continuous-batching engine over one model runner."""
 
     def __init__(self, config: EngineConfig, *, model_runner: ModelRunner | None = None) -> None:
         from services.engine.device_limits import resolve_limits
 
+        _check_lora_supported(config)
         if model_runner is None:
             config, model_runner = self._build_runner(config)
         else:

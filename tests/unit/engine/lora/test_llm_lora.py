@@ -251,3 +251,12 @@ def test_step_loop_sleeps_while_only_adapter_loads_are_pending(eight) -> None:
     # One step finds the adapter loading, the loop sleeps until the load ends, then the
     # request's steps run: no busy stepping through the 0.6 s load.
     assert steps <= MAX_TOKENS + 4, steps
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "tensorrt"])
+def test_lora_is_refused_where_the_forward_would_not_apply_it(backend: str) -> None:
+    config = EngineConfig(
+        model="dummy:tiny", device="cpu", backend=backend, adapter_root="/srv/adapters"
+    )
+    with pytest.raises(FailedPreconditionError, match=f"{backend} backend"):
+        LLMEngine(config)

@@ -410,6 +410,9 @@ class LLMEngine(OverlappedSteps):
         if self.has_unfinished():
             raise FailedPreconditionError("warm up an engine before it takes requests")
         report = warm_up(self, plan, seed=self.config.seed)
+        if self.adapters is not None:  # the LoRA kernels' variants for the same step sizes
+            launches = self.adapters.warm_up((*plan.prefill_token_counts, *plan.decode_batches))
+            logger.info("LoRA kernels warmed: %d launches", launches)
         self.rates.reset()
         return report
 

@@ -64,6 +64,11 @@ class LoRARuntime:
                 max_rows, max_slices, slots.max_rank, dtype=torch.float32, device=device
             )
 
+    @property
+    def max_rows(self) -> int:
+        """The widest step the kernels' row buffers take (0 on the torch path: no limit)."""
+        return int(self._shrunk.shape[0]) if self.kernels == "triton" else 0
+
     def set_batch(self, batch: LoRABatch) -> None:
         """This step's rows and slots (for triton: written into the fixed layout buffers)."""
         self.batch = batch

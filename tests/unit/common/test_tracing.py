@@ -118,8 +118,13 @@ def test_off_by_default_nothing_is_wrapped() -> None:
     assert not tracing.enabled()
     assert tracing.server_interceptors() == ()
     assert tracing.step_hook() is None
-    channel = grpc.aio.insecure_channel("127.0.0.1:1")
-    assert tracing.traced_channel(channel) is channel
+
+    async def plain_channel() -> None:  # an aio channel belongs to a running loop
+        channel = grpc.aio.insecure_channel("127.0.0.1:1")
+        assert tracing.traced_channel(channel) is channel
+        await channel.close()
+
+    asyncio.run(plain_channel())
     with pytest.raises(InvalidArgumentError, match="trace_sample_ratio"):
         tracing.TracingConfig(trace_dir="x", trace_sample_ratio=1.5)
 

@@ -137,9 +137,9 @@ def test_serve_and_bench_hand_over_the_rest(monkeypatch: pytest.MonkeyPatch) -> 
     assert seen["bench"] == ["run", "--rate", "5"]
 
 
-def test_up_builds_the_stack_config(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+@pytest.fixture
+def stack_configs(monkeypatch: pytest.MonkeyPatch) -> list:
+    """`sluice up` against a fake Stack: the StackConfigs it was given, in order."""
     import services.launcher as launcher
 
     configs: list[launcher.StackConfig] = []
@@ -159,6 +159,12 @@ def test_up_builds_the_stack_config(
             return 0
 
     monkeypatch.setattr(launcher, "Stack", FakeStack)
+    return configs
+
+
+def test_up_builds_the_stack_config(
+    stack_configs: list, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = cli.dispatch(
         [
             "up",
@@ -181,7 +187,7 @@ def test_up_builds_the_stack_config(
         ]
     )
     assert code == 0
-    config = configs[0]
+    config = stack_configs[0]
     assert (config.port, config.model, config.engines) == (6000, "dummy:tiny", 2)
     assert config.router_args == ("--max-queued-requests", "7", "--shutdown-grace-s", "3")
     assert config.stop_grace_s == 7.5
@@ -192,3 +198,18 @@ def test_up_builds_the_stack_config(
 def test_up_rejects_bad_engine_count(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.dispatch(["up", "--engines", "0"]) == 1
     assert capsys.readouterr().err.startswith("error: INVALID_ARGUMENT: engines must be >= 1")
+
+
+def test_up_passes_http_port_to_the_router(
+    stack_configs: list, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.dispatch(["up", "--port", "6000", "--http-port", "8000"]) == 0
+    assert stack_configs[0].router_args == ("--http-port", "8000")
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "Sluice router ready at 127.0.0.1:6000",
+        "OpenAI-compatible HTTP at http://127.0.0.1:8000/v1",
+    ]
+    assert cli.dispatch(["up", "--port", "6000"]) == 0
+    assert "--http-port" not in stack_configs[1].router_args
+    assert capsys.readouterr().out == "Sluice router ready at 127.0.0.1:6000\n"

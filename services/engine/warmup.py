@@ -173,7 +173,9 @@ def warm_up(engine: Any, plan: WarmupPlan, *, seed: int = 0) -> WarmupReport:
         round_started = time.perf_counter()
         base = {"max_tokens": warm_round.max_tokens, "ignore_eos": True}
         params = SamplingParams(**base, **SAMPLER_PATHS[warm_round.sampler_path])
-        low, high = min(100, vocab - 1), max(min(100, vocab - 1), vocab - 100)
+        # Ordinary ids, away from the special tokens at either end; any id of a tiny vocabulary.
+        low = min(100, vocab // 2)
+        high = max(low + 1, vocab - 100)
         shared = [rng.randrange(low, high) for _ in range(max(warm_round.prompt_lengths))]
         for row, length in enumerate(warm_round.prompt_lengths):
             # Rows past the first reuse the first row's prefix: prefix-cache hits run too.

@@ -126,3 +126,11 @@ def test_the_gpu_plan_runs_through_an_engine_within_its_context(max_model_len, b
     report = warm_up(engine, plan)
     assert report.steps >= len(plan.rounds) and not engine.has_unfinished()
     assert engine.load().free_blocks == engine.load().total_blocks
+
+
+@pytest.mark.parametrize("vocab_size", [2, 64, 150])
+def test_warm_up_runs_on_a_small_vocabulary(vocab_size: int) -> None:
+    runner = FakeModelRunner(vocab_size=vocab_size, num_blocks=64, block_size=4, max_model_len=64)
+    engine = LLMEngine(EngineConfig(model="fake", device="cpu"), model_runner=runner)
+    report = engine.warm_up()
+    assert report.steps > 0 and not engine.has_unfinished()

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     config = EngineConfig(model=args.model or None, dtype=args.dtype)
-    runner = LLMEngine._build_runner(config)
+    config, runner = LLMEngine._build_runner(config)
     forward_s = _time_forward(runner)
     engine = LLMEngine(config, model_runner=runner)
     if args.threads is not None:  # after the runner, which picks 1 thread for tiny models

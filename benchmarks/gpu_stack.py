@@ -336,7 +336,7 @@ def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
         # 3. Poisson rates as multiples of the saturation rate (2x: overload).
         for multiple in [float(m) for m in args.rate_multiples.split(",") if m] if sat_rate else []:
             rate = multiple * sat_rate
-            count = min(args.num_requests, max(50, int(rate * args.sweep_seconds)))
+            count = min(args.num_requests, max(50, int(rate * args.sweep_duration_s)))
             if _time_left(args) < count / rate + 45:
                 stack_report[f"poisson_{multiple:g}x"] = {"skipped": "out of time"}
                 continue
@@ -410,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--low-rate", type=float, default=2.0, help="req/s of the fresh stack")
     parser.add_argument("--low-requests", type=int, default=40)
     parser.add_argument("--rate-multiples", default="0.5,2", help="Poisson rates x saturation")
-    parser.add_argument("--sweep-seconds", type=float, default=20.0, help="per Poisson rate")
+    parser.add_argument(
+        "--sweep-duration-s", type=float, default=20.0, help="seconds of load per Poisson rate"
+    )
     parser.add_argument("--max-queue-delay-s", type=float, default=1.0)
     parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting phases after")
     parser.add_argument("--out", type=Path, default=None, help="JSON (default by GPU name)")

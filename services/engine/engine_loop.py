@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.errors import SluiceError
+from services.common.protocol.adapter_record import AdapterRecord
 from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import FORWARD_THREAD_POLICIES
-from services.engine.lora.records import AdapterRecord
 from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta, StepOutput
 
 log = logging.getLogger(__name__)

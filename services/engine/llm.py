@@ -18,10 +18,10 @@ from collections.abc import Sequence as SequenceType
 from typing import Any
 
 from services.common.errors import InvalidArgumentError
+from services.common.protocol.adapter_record import AdapterRecord
 from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
-from services.engine.lora.records import AdapterRecord
 from services.engine.outputs import CompletionOutput
 
 Prompt = str | list[int]

@@ -29,13 +29,13 @@ from services.common.errors import (
     NotFoundError,
     SluiceError,
 )
+from services.common.protocol.adapter_record import AdapterRecord, validate_adapter_name
 from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.load_rates import StepRates
 from services.engine.lora.config import LoRAConfig
-from services.engine.lora.records import AdapterRecord, validate_adapter_name
 from services.engine.outputs import (
     EngineLoad,
     FinishReason,

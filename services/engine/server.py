@@ -43,12 +43,11 @@ from services.common import event_loop, metrics, tracing
 from services.common.config import describe
 from services.common.errors import SluiceError, UnavailableError
 from services.common.grpc_server import start_server
+from services.common.protocol.adapter_record import AdapterRecord
 from services.common.protocol.codec import sampling_params_from_pb
 from services.engine.engine_loop import EngineLoop, LoopOutput, Rejection, Submit
 from services.engine.outputs import EngineLoad
 from services.engine.server_convert import (
-    adapter_record_from_pb,
-    adapter_record_to_pb,
     fill_update,
     load_to_pb,
     rejection_to_pb,
@@ -164,7 +163,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         thread, never the step thread); INVALID_ARGUMENT / NOT_FOUND with the reason."""
         self._ready()
         record = await asyncio.to_thread(self._engine.inspect_adapter, request.name, request.path)
-        return adapter_record_to_pb(record)
+        return record.to_pb()
 
     async def EngineSession(
         self,
@@ -228,7 +227,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             try:
                 params = sampling_params_from_pb(item.params)
                 spec = (
-                    adapter_record_from_pb(item.adapter_spec)
+                    AdapterRecord.from_pb(item.adapter_spec)
                     if item.adapter and item.HasField("adapter_spec")
                     else None
                 )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from protos.sluice.v1 import common_pb2, engine_pb2
 from services.engine.engine_loop import Rejection
-from services.engine.lora.records import AdapterRecord
 from services.engine.outputs import EngineLoad, FinishReason, SequenceDelta
 
 FINISH_REASONS_PB = {
@@ -61,27 +60,6 @@ def fill_update(update: engine_pb2.SequenceUpdate, request_id: str, delta: Seque
     if delta.error:
         update.error.code = delta.error_code
         update.error.message = delta.error
-
-
-def adapter_record_from_pb(spec: common_pb2.AdapterSpec) -> AdapterRecord:
-    """A submit's adapter registration (its path and checksum are checked when it loads)."""
-    return AdapterRecord(
-        name=spec.name,
-        path=spec.path,
-        sha256=spec.sha256,
-        rank=spec.rank,
-        target_modules=tuple(spec.target_modules),
-    )
-
-
-def adapter_record_to_pb(record: AdapterRecord) -> common_pb2.AdapterSpec:
-    return common_pb2.AdapterSpec(
-        name=record.name,
-        path=record.path,
-        sha256=record.sha256,
-        rank=record.rank,
-        target_modules=list(record.target_modules),
-    )
 
 
 def rejection_to_pb(request_id: str, rejection: Rejection) -> engine_pb2.SequenceUpdate:

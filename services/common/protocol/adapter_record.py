@@ -70,7 +70,13 @@ class AdapterRecord:
     sha256: str
     rank: int
     target_modules: tuple[str, ...] = ()
-    registered_at: float = field(default_factory=time.time)
+    registered_at: float = field(default_factory=time.time, compare=False)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Identity of these exact files: a re-registration under the same name is another key
+        (engines key their loaded weights and prefix cache by it)."""
+        return (self.name, self.sha256)
 
     def __post_init__(self) -> None:
         validate_adapter_name(self.name)

@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from services.common.errors import NotFoundError
+from services.common.protocol.adapter_record import AdapterRecord
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.lora.batch import LoRABatch
 from services.engine.lora.config import LoRAConfig
 from services.engine.lora.gate import AdapterGate
 from services.engine.lora.loader import inspect_adapter, load_registered_adapter
 from services.engine.lora.manager import AdapterManager
-from services.engine.lora.records import AdapterRecord
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.weights import AdapterWeights, ProjectionWeights

@@ -11,9 +11,9 @@ loading or no slot can be had, so the sequence stays waiting and others go ahead
 from __future__ import annotations
 
 from services.common.errors import SluiceError
+from services.common.protocol.adapter_record import AdapterRecord
 from services.engine.lora.batch import BASE_SLOT
 from services.engine.lora.manager import AdapterManager
-from services.engine.lora.records import AdapterRecord
 from services.engine.sequence import Sequence
 
 

@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from services.common.errors import InvalidArgumentError
+from services.common.protocol.adapter_record import AdapterRecord, validate_adapter_name
 from services.engine.lora.paths import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -35,7 +36,6 @@ from services.engine.lora.projections import (
     module_shape,
     projection_shapes,
 )
-from services.engine.lora.records import AdapterRecord, validate_adapter_name
 from services.engine.lora.weights import AdapterWeights, ProjectionWeights
 from services.engine.models.config import ModelConfig
 
@@ -74,7 +74,8 @@ def inspect_adapter(
     )
     return AdapterRecord(
         name=name,
-        path=path,
+        # Relative to the root, as the registry and every engine's root expect it.
+        path=directory.relative_to(Path(adapter_root).resolve()).as_posix() or ".",
         sha256=checksum,
         rank=weights.rank,
         target_modules=tuple(sorted(weights.modules)),

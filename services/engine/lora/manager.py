@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import NotFoundError, SluiceError
-from services.engine.lora.records import AdapterRecord
+from services.common.protocol.adapter_record import AdapterRecord
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
+from services.common.protocol.adapter_record import validate_adapter_name
 from services.engine.lora.loader import inspect_adapter, load_registered_adapter, parse_adapter
 from services.engine.lora.paths import checksum_of, read_adapter_files
 from services.engine.lora.projections import MODULE_PARENT, MODULE_TO_SLICE, projection_shapes
-from services.engine.lora.records import validate_adapter_name
 from tests.lora_adapters import (
     ALL_MODULES,
     lora_tensors,
@@ -213,10 +213,11 @@ def test_registration_then_load_verifies_the_checksum(tmp_path: Path) -> None:
 
 
 def test_registration_refuses_bad_names_and_bad_adapters(tmp_path: Path) -> None:
-    for name in ("", "../x", " sql", "a" * 200, "sql name"):
-        with pytest.raises(InvalidArgumentError, match="adapter name"):
+    # The one name rule of the protocol layer, as the router's registry applies it.
+    for name in ("", "../x", " sql", "a" * 200, "sql name", "team/sql"):
+        with pytest.raises(InvalidArgumentError, match="adapter name|a non-empty name"):
             validate_adapter_name(name)
-    assert validate_adapter_name("team/sql-v2.1") == "team/sql-v2.1"
+    assert validate_adapter_name("team-sql-v2.1") == "team-sql-v2.1"
     write_adapter(tmp_path / "dora", peft_config(["q_proj"], 2, use_dora=True), {})
     with pytest.raises(InvalidArgumentError, match="DoRA"):
         inspect_adapter("dora", "dora", adapter_root=tmp_path, model_config=CONFIG, max_rank=64)

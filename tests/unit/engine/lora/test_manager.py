@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from services.common.errors import FailedPreconditionError, NotFoundError, SluiceError
+from services.common.protocol.adapter_record import AdapterRecord
 from services.engine.lora.manager import AdapterManager
-from services.engine.lora.records import AdapterRecord
 
 
 class ManualExecutor(Executor):

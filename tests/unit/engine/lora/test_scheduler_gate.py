@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import FailedPreconditionError, NotFoundError
+from services.common.protocol.adapter_record import AdapterRecord
 from services.common.protocol.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
 from services.engine.lora.gate import AdapterGate
 from services.engine.lora.manager import AdapterManager
-from services.engine.lora.records import AdapterRecord
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.sequence import Sequence, SequenceStatus
 from tests.unit.engine.lora.test_manager import ManualExecutor

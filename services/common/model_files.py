@@ -17,7 +17,6 @@ this module stays cheap for the router and the tokenizer service.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -25,7 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from services.common.errors import (
     NotFoundError,
     SluiceError,
 )
+from services.common.files import file_lock, sha256_of
 from services.common.protocol.dummy_shapes import DUMMY_SHAPES
 
 logger = logging.getLogger(__name__)
@@ -182,11 +182,7 @@ def _content_digest(path: Path, memo_path: Path) -> str:
     digest = memo.get(identity)
     if isinstance(digest, str):
         return digest
-    hasher = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            hasher.update(chunk)
-    digest = hasher.hexdigest()
+    digest = sha256_of(path)
     # One entry per file that still exists: a reinstall at the same path replaces its own.
     memo = {
         key: value
@@ -207,7 +203,7 @@ def ensure_converted(target: Path, build: Callable[[Path], None]) -> Path:
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if _is_complete(target):
             return target
         if target.exists():  # a directory without marker: a foreign or broken leftover
@@ -234,16 +230,6 @@ def _make_readable(directory: Path) -> None:
 
 def _is_complete(target: Path) -> bool:
     return (target / MARKER_FILE).is_file()
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:

@@ -9,15 +9,13 @@ unreadable manifest) so that a corrupt cache is found before onnxruntime or Tens
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from services.common.files import sha256_of
 
 MANIFEST = "manifest.json"
 
@@ -79,21 +77,3 @@ def read_graphs(directory: Path, dtype: torch.dtype) -> SegmentGraphs:
     }
     digests = {name: entry["sha256"] for name, entry in manifest["files"].items()}
     return SegmentGraphs(directory=directory, graphs=graphs, dtype=dtype, digests=digests)
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

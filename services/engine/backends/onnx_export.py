@@ -33,15 +33,10 @@ import torch
 
 from services.common import env
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
+from services.common.files import file_lock
 from services.common.model_files import ModelFiles
 from services.engine.backends import segments
-from services.engine.backends.onnx_cache import (
-    SegmentGraphs,
-    file_lock,
-    read_graphs,
-    verify,
-    write_manifest,
-)
+from services.engine.backends.onnx_cache import SegmentGraphs, read_graphs, verify, write_manifest
 from services.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)

@@ -64,7 +64,8 @@ def eight(tmp_path_factory: pytest.TempPathFactory):
     return directory, prompts, references
 
 
-def _llm(directory: Path, **lora: object) -> LLM:
+def _llm(directory: Path, adapter_root: Path | None = None, **lora: object) -> LLM:
+    """An offline LLM on the tiny base model; adapters under `adapter_root` (default: all)."""
     config = EngineConfig(
         model=str(directory / "base"),
         device="cpu",
@@ -73,7 +74,7 @@ def _llm(directory: Path, **lora: object) -> LLM:
         kv_cache_bytes=1 << 20,
         max_num_seqs=32,
         max_lora_rank=8,
-        adapter_root=str(directory / "adapters"),
+        adapter_root=str(adapter_root or directory / "adapters"),
         **lora,
     )
     return LLM.from_engine(LLMEngine(config), _Tokenizer())
@@ -136,16 +137,7 @@ def test_new_files_under_a_name_never_reuse_the_old_kv(eight, tmp_path: Path) ->
     directory, prompts, references = eight
     root = tmp_path / "adapters"
     shutil.copytree(directory / "adapters" / "attn-r4", root / "swap")
-    config = EngineConfig(
-        model=str(directory / "base"),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        kv_cache_bytes=1 << 20,
-        max_lora_rank=8,
-        adapter_root=str(root),
-    )
-    llm = LLM.from_engine(LLMEngine(config), _Tokenizer())
+    llm = _llm(directory, root)
     first = llm.add_adapter("swap")
     outputs = llm.generate(prompts[:2], GREEDY, adapters="swap")
     assert [output.token_ids for output in outputs] == references["attn-r4"][:2]
@@ -162,16 +154,7 @@ def test_failed_load_ends_only_its_requests(eight, tmp_path: Path) -> None:
     directory, prompts, references = eight
     root = tmp_path / "adapters"
     shutil.copytree(directory / "adapters" / "q-r3", root / "changed")
-    config = EngineConfig(
-        model=str(directory / "base"),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        kv_cache_bytes=1 << 20,
-        max_lora_rank=8,
-        adapter_root=str(root),
-    )
-    llm = LLM.from_engine(LLMEngine(config), _Tokenizer())
+    llm = _llm(directory, root)
     llm.add_adapter("changed")
     # The files change after registration: the load's checksum check refuses them.
     shutil.copy(

@@ -169,6 +169,12 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--kv-cache-bytes", type=int, help="engines: bytes of KV cache each")
     up.add_argument("--max-num-seqs", type=int, help="engines: most sequences per step")
     up.add_argument(
+        "--target-step-ms",
+        type=float,
+        help="engines: step-time target in ms; chunked prefill keeps each step's predicted "
+        "time within it, bounding time per output token under load (default: 0, off)",
+    )
+    up.add_argument(
         "--tensor-parallel-size",
         type=int,
         help="engines: GPUs each engine splits the model over (default 1); one engine per "
@@ -228,6 +234,7 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
         (
             "kv_cache_bytes",
             "max_num_seqs",
+            "target_step_ms",
             "device",
             "backend",
             "adapter_root",

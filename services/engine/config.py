@@ -4,7 +4,8 @@ Filled from flags, then `SLUICE_*` environment variables, then these defaults th
 `services.common.config.from_layers`. Defaults suit the CPU (the default here and in CI); on a
 GPU the KV cache is sized from `gpu_memory_utilization` unless `kv_cache_bytes` is given, and
 unset step limits (`max_num_seqs`, `max_num_batched_tokens`) from the GPU's memory and the
-model (services/engine/device_limits.py), before the runner is built.
+model (services/engine/device_limits.py), before the runner is built. `target_step_ms` (off by
+default) adds a time limit to each step (services/engine/step_budget.py).
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ class EngineConfig:
         None,
         help="token budget of one forward step, longer prompts are prefilled in chunks "
         "(default: 2048 on CPU; on CUDA sized from the GPU's memory, 8192 on an 80 GB card)",
+    )
+    target_step_ms: float = field(
+        0.0,
+        help="step-time target in ms (0: off): chunked prefill gives a step only as many prompt "
+        "tokens as keep its predicted time, beside its decodes, within this, from step costs "
+        "the engine measures (services/engine/step_budget.py); bounds the time per output token "
+        "under load, e.g. set it a little below a TPOT SLO",
     )
     max_model_len: int | None = field(
         None, help="context length cap (default: the model's own context)"
@@ -133,6 +141,11 @@ class EngineConfig:
             _positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
             _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        target = self.target_step_ms
+        if isinstance(target, bool) or not isinstance(target, (int, float)):
+            raise InvalidArgumentError("target_step_ms must be a number")
+        if not 0.0 <= target < float("inf"):
+            raise InvalidArgumentError(f"target_step_ms must be >= 0 (0: off), got {target}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
             if self.max_model_len < 2:

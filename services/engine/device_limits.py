@@ -111,11 +111,12 @@ def plan_limits(
 
 def resolve_limits(config: EngineConfig, model_config, device: str) -> tuple[EngineConfig, str]:
     """`config` with its unset step limits filled for `device` and the model; and a line
-    saying what was chosen (for the start-up log)."""
+    saying what was chosen (for the start-up log), with the step-time target when set."""
+    target = f", target_step_ms {config.target_step_ms:g}" if config.target_step_ms else ""
     if config.max_num_seqs is not None and config.max_num_batched_tokens is not None:
         return config, (
             f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
-            f"{config.max_num_batched_tokens} (set)"
+            f"{config.max_num_batched_tokens} (set){target}"
         )
     device_type = device.partition(":")[0]
     if device_type == "cuda":
@@ -144,7 +145,7 @@ def resolve_limits(config: EngineConfig, model_config, device: str) -> tuple[Eng
     )
     line = (
         f"max_num_seqs {limits.max_num_seqs}, max_num_batched_tokens "
-        f"{limits.max_num_batched_tokens} ({limits.reason})"
+        f"{limits.max_num_batched_tokens} ({limits.reason}){target}"
     )
     return resolved, line
 

@@ -47,6 +47,7 @@ from services.engine.overlap import LaunchedStep, OverlappedSteps, can_schedule_
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import Sequence
+from services.engine.step_budget import build_step_budget
 from services.engine.warmup import WarmupReport, plan_warmup, warm_up
 
 if TYPE_CHECKING:  # the runner modules import torch; the engine's policy code does not
@@ -74,6 +75,7 @@ class EngineInfo:
     backend: str
     device: str
     dtype: str
+    target_step_ms: float = 0.0  # step-time target of chunked prefill (0: off)
     execution_path: str = ""  # how steps run (the runner's `execution_path`), for the logs
     max_loras: int = 0  # LoRA device slots (0: adapters off)
     max_lora_rank: int = 0
@@ -132,6 +134,7 @@ class LLMEngine(OverlappedSteps):
             ),
             self.block_manager,
             adapter_slots=self.adapters.gate if self.adapters is not None else None,
+            prefill_budget=build_step_budget(config, lambda: self.rates.step_cost()),
         )
         eos = tuple(int(token) for token in model_config.eos_token_ids)
         self.sampler = Sampler(eos, seed=config.seed)
@@ -159,6 +162,7 @@ class LLMEngine(OverlappedSteps):
             num_blocks=model_runner.num_blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            target_step_ms=config.target_step_ms,
             eos_token_ids=eos,
             backend=config.backend,
             device=str(model_runner.device),
@@ -409,7 +413,11 @@ class LLMEngine(OverlappedSteps):
         )
         if self.has_unfinished():
             raise FailedPreconditionError("warm up an engine before it takes requests")
-        report = warm_up(self, plan, seed=self.config.seed)
+        budget, self.scheduler.prefill_budget = self.scheduler.prefill_budget, None
+        try:  # the planned step shapes, not cut by a step-time target
+            report = warm_up(self, plan, seed=self.config.seed)
+        finally:
+            self.scheduler.prefill_budget = budget
         if self.adapters is not None:  # the LoRA kernels' variants for the same step sizes
             launches = self.adapters.warm_up((*plan.prefill_token_counts, *plan.decode_batches))
             logger.info("LoRA kernels warmed: %d launches", launches)

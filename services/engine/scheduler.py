@@ -10,6 +10,9 @@ freed and it waits again, to be recomputed from its prompt plus the tokens it al
 A request that could never fit (more blocks than the whole cache) is refused at `add`.
 With LoRA adapters, a waiting sequence is admitted only once its adapter has a device slot
 (`AdapterSlots.acquire`); until then it stays waiting and sequences behind it go ahead.
+With a step-time target (a `PrefillBudget`, services/engine/step_budget.py), the prompt tokens
+of a step (running chunked prefills and admissions together) are further capped by what the
+budget allows beside the step's decodes; without one, only the token budget counts.
 """
 
 from __future__ import annotations
@@ -62,6 +65,14 @@ class AdapterSlots(Protocol):
         ...
 
 
+class PrefillBudget(Protocol):
+    """A step-time target as the scheduler sees it (services/engine/step_budget.py)."""
+
+    def prefill_tokens(self, decode_rows: int) -> int:
+        """Most prompt tokens a step may take beside `decode_rows` decodes."""
+        ...
+
+
 # Scheduling order: lower priority value first, then earlier arrival (a C-level key).
 _rank = attrgetter("priority", "arrival")
 
@@ -79,10 +90,12 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         adapter_slots: AdapterSlots | None = None,
+        prefill_budget: PrefillBudget | None = None,
     ):
         self.config = config
         self.block_manager = block_manager
         self.adapter_slots = adapter_slots
+        self.prefill_budget = prefill_budget
         self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []  # heap by rank
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -149,12 +162,22 @@ class Scheduler:
         kept: list[Sequence] = []
         slots_per_block = self.block_manager.block_size
         uncached_decode = False  # a one-token prompt: it goes after the cached one-token steps
+        # Prompt tokens the step-time target leaves (None: not asked yet, or no target). The
+        # decodes come first among the candidates, so it is asked once they are all counted.
+        prefill_left: int | None = None
         index = 0
         while index < len(candidates) and budget > 0:
             seq = candidates[index]
-            index += 1
             uncomputed = len(seq.token_ids) - seq.num_computed_tokens
-            num_tokens = min(uncomputed, budget)
+            limit = budget
+            if uncomputed > 1 and self.prefill_budget is not None:
+                if prefill_left is None:
+                    prefill_left = self._prefill_left(len(decodes), budget)
+                if prefill_left <= 0:
+                    break  # the rest are prefills too: they wait for the next step
+                limit = prefill_left
+            index += 1
+            num_tokens = min(uncomputed, limit)
             needed_slots = seq.num_computed_tokens + num_tokens
             # Most steps need no new block (a decode inside its last block): skip the manager.
             if needed_slots > len(seq.block_table) * slots_per_block:
@@ -174,11 +197,17 @@ class Scheduler:
                 uncached_decode = uncached_decode or seq.num_computed_tokens == 0
             else:
                 prefills.append((seq, num_tokens))
+                if prefill_left is not None:
+                    prefill_left -= num_tokens
         kept.extend(candidates[index:])  # not scheduled this step (budget spent), still running
         self.running = kept
 
         # Admit waiting requests while budget, sequence slots and blocks allow.
         if not output.preempted:
+            if self.prefill_budget is not None and self.waiting:
+                if prefill_left is None:
+                    prefill_left = self._prefill_left(len(decodes), budget)
+                budget = min(budget, prefill_left)
             self._admit(budget, prefills)
 
         # One-token steps of sequences with cached tokens (decodes, and prompts whose prefix
@@ -202,6 +231,10 @@ class Scheduler:
             )
         output.scheduled = planned
         return output
+
+    def _prefill_left(self, decode_rows: int, budget: int) -> int:
+        """Prompt tokens this step may take: the step-time target's share, within `budget`."""
+        return min(budget, self.prefill_budget.prefill_tokens(decode_rows))
 
     def _admit(self, budget: int, prefills: list[tuple[Sequence, int]]) -> None:
         manager = self.block_manager

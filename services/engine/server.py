@@ -145,6 +145,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_blocks=info.num_blocks,
             max_num_seqs=info.max_num_seqs,
             max_num_batched_tokens=info.max_num_batched_tokens,
+            target_step_ms=getattr(info, "target_step_ms", 0.0),
             eos_token_ids=list(info.eos_token_ids),
             engine_id=self.engine_id,
             backend=info.backend,

@@ -178,6 +178,8 @@ def test_up_builds_the_stack_config(
             "7",
             "--kv-cache-bytes",
             "1000",
+            "--target-step-ms",
+            "40",
             "--shutdown-grace-s",
             "3",
             "--stop-grace-s",
@@ -191,7 +193,14 @@ def test_up_builds_the_stack_config(
     assert (config.port, config.model, config.engines) == (6000, "dummy:tiny", 2)
     assert config.router_args == ("--max-queued-requests", "7", "--shutdown-grace-s", "3")
     assert config.stop_grace_s == 7.5
-    assert config.engine_args == ("--kv-cache-bytes", "1000", "--max-model-len", "256")
+    assert config.engine_args == (
+        "--kv-cache-bytes",
+        "1000",
+        "--target-step-ms",
+        "40.0",
+        "--max-model-len",
+        "256",
+    )
     assert capsys.readouterr().out == "Sluice router ready at 127.0.0.1:6000\n"
 
 

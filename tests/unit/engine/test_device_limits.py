@@ -66,7 +66,11 @@ def test_cpu_keeps_its_defaults():
     assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (256, 2048)
     config, line = resolve_limits(EngineConfig(max_num_seqs=12), None, "cpu")
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (12, 2048)
-    assert "max_num_seqs 12" in line
+    assert "max_num_seqs 12" in line and "target_step_ms" not in line
+    _, line = resolve_limits(EngineConfig(max_num_seqs=12, target_step_ms=40.0), None, "cpu")
+    assert line.endswith("(cpu defaults), target_step_ms 40")
+    set_both = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, target_step_ms=2.5)
+    assert resolve_limits(set_both, None, "cpu")[1].endswith("(set), target_step_ms 2.5")
 
 
 def test_model_shape_counts_parameters():

@@ -49,3 +49,61 @@ def test_engine_reports_queued_prompt_tokens_and_rates():
         engine.step()
     load = engine.load()
     assert load.queued_prompt_tokens == 0 and load.decode_tokens_per_s > 0
+
+
+def test_step_cost_fit_recovers_the_step_time_model():
+    from services.engine.load_rates import StepCostFit
+
+    fit = StepCostFit(decay=0.99, min_steps=8)
+    for step in range(60):
+        rows, tokens = (step * 37) % 200, 64 + (step * 211) % 4000
+        assert (fit.cost() is None) == (step < 8)
+        fit.record(5.0 + 0.04 * rows + 0.02 * tokens, decode_rows=rows, prefill_tokens=tokens)
+    cost = fit.cost()
+    assert cost.fixed_ms == pytest.approx(5.0, rel=1e-4)
+    assert cost.per_decode_row_ms == pytest.approx(0.04, rel=1e-4)
+    assert cost.per_prefill_token_ms == pytest.approx(0.02, rel=1e-4)
+    assert cost.predict_ms(100, 1000) == pytest.approx(5.0 + 4.0 + 20.0, rel=1e-4)
+
+
+def test_step_cost_fit_keeps_costs_non_negative_and_bounds_stalls():
+    from services.engine.load_rates import StepCostFit
+
+    fit = StepCostFit(decay=1.0, min_steps=4, outlier_factor=3.0)
+    for step in range(20):  # no decodes at all, and more rows made steps faster: never < 0
+        tokens = 100 + 50 * step
+        fit.record(1.0 + 0.01 * tokens, decode_rows=0, prefill_tokens=tokens)
+    cost = fit.cost()
+    assert cost.per_decode_row_ms == 0.0
+    assert cost.fixed_ms == pytest.approx(1.0) and cost.per_prefill_token_ms == pytest.approx(0.01)
+    fit.record(10_000.0, decode_rows=0, prefill_tokens=100)  # a stall counts as 3x predicted
+    assert fit.cost().predict_ms(0, 100) < 2 * 2.0
+    fit.reset()
+    assert fit.cost() is None and fit.num_steps == 0
+
+
+def test_step_rates_fit_only_steps_that_hold_prefill():
+    rates = StepRates()
+    for _ in range(10):
+        rates.record(0.010, prefill_tokens=0, decode_tokens=64, finished=0)
+    assert rates.step_cost() is None and rates.costs.num_steps == 0
+    for step in range(10):
+        tokens = 100 * (step + 1)
+        rates.record(
+            (2.0 + 0.01 * tokens) / 1e3, prefill_tokens=tokens, decode_tokens=8, finished=0
+        )
+    assert rates.step_cost().predict_ms(8, 500) == pytest.approx(7.0, rel=1e-3)
+    rates.reset()
+    assert rates.step_cost() is None
+
+
+def test_step_cost_fit_charges_prefill_when_full_steps_cannot_tell_the_terms_apart():
+    from services.engine.load_rates import StepCostFit
+
+    fit = StepCostFit(decay=0.98, min_steps=8)
+    for step in range(30):  # every step filled the 8,192-token budget: rows + tokens constant
+        rows = 16 * step
+        fit.record(150.0 + 0.05 * rows, decode_rows=rows, prefill_tokens=8192 - rows)
+    cost = fit.cost()
+    assert cost.per_prefill_token_ms > 0  # so a step-time target can cap the next steps
+    assert cost.predict_ms(100, 8092) == pytest.approx(155.0, rel=1e-6)

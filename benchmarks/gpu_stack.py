@@ -23,6 +23,12 @@ input and output lengths). Greedy, EOS ignored. In order:
    p99 TTFT and the goodput at a TTFT SLO of 2 s and a TPOT SLO of 50 ms against the saturation
    request rate).
 
+`--target-step-ms` gives the stack's engine a step-time target (chunked prefill sized so each
+step's predicted time stays within it; services/engine/step_budget.py), and
+`--offline-target-step-ms` the offline engine one, so one run compares either with the default
+(both 0: off). Both are recorded at the top of the report; each offline set also records its
+step times (`step_ms`).
+
 Writes the JSON report (top-level keys first, then every phase) and, per stack phase, the
 harness's report and plots (`loadtest.report.write_report`) under `--plots-dir`.
 """
@@ -138,7 +144,9 @@ def compute_bound(shape: Shape, specs: list[RequestSpec], matmul_tflop_s: float)
 
 
 # ---- offline (child process) ----------------------------------------------------------------
-def run_offline(model: str, count: int, out: Path, device: str = "cuda") -> None:
+def run_offline(
+    model: str, count: int, out: Path, device: str = "cuda", target_step_ms: float = 0.0
+) -> None:
     """The offline part; writes its JSON to `out` after every stage."""
     import torch
 
@@ -158,7 +166,7 @@ def run_offline(model: str, count: int, out: Path, device: str = "cuda") -> None
     result["ceilings"] = measure_ceilings() if on_gpu else {"matmul_tflop_s": 1.0}
     save()
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=model, device=device))
+    engine = LLMEngine(EngineConfig(model=model, device=device, target_step_ms=target_step_ms))
     result["engine_build_s"] = round(time.perf_counter() - started, 2)
     print(f"offline engine built in {result['engine_build_s']}s", flush=True)
     warm = engine.warm_up()
@@ -168,6 +176,7 @@ def run_offline(model: str, count: int, out: Path, device: str = "cuda") -> None
     result["engine"] = {
         "max_num_seqs": info.max_num_seqs,
         "max_num_batched_tokens": info.max_num_batched_tokens,
+        "target_step_ms": info.target_step_ms,
         "num_blocks": info.num_blocks,
         "block_size": info.block_size,
         "execution_path": info.execution_path,
@@ -182,9 +191,12 @@ def run_offline(model: str, count: int, out: Path, device: str = "cuda") -> None
             engine.add_request(f"{name}-{stamp}-{spec.index}", list(spec.prompt_token_ids), params)
         started = time.perf_counter()
         steps = output_tokens = 0
+        step_s: list[float] = []
         while engine.has_unfinished():
-            for delta in engine.step().deltas:
+            output = engine.step()
+            for delta in output.deltas:
                 output_tokens += len(delta.new_token_ids)
+            step_s.append(output.step_time_s)
             steps += 1
         if on_gpu:
             torch.cuda.synchronize()
@@ -196,6 +208,7 @@ def run_offline(model: str, count: int, out: Path, device: str = "cuda") -> None
             "output_tokens": output_tokens,
             "seconds": round(elapsed, 3),
             "steps": steps,
+            "step_ms": _percentiles_ms(step_s),
             "output_tok_s": round(output_tokens / elapsed, 1),
             "overlapped_steps": engine.num_overlapped_steps,
             "preemptions": engine.num_preemptions,
@@ -204,6 +217,17 @@ def run_offline(model: str, count: int, out: Path, device: str = "cuda") -> None
         }
         save()
         print(name, json.dumps(result[name]), flush=True)
+
+
+def _percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    """Mean, p50, p90, p99 and max of step times, in ms."""
+    if not seconds:
+        return {}
+    values = np.asarray(seconds) * 1e3
+    stats = {"mean": float(values.mean()), "max": float(values.max())}
+    for q in (50, 90, 99):
+        stats[f"p{q}"] = float(np.percentile(values, q))
+    return {key: round(value, 2) for key, value in stats.items()}
 
 
 # ---- the stack ------------------------------------------------------------------------------
@@ -284,7 +308,7 @@ def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
     config = StackConfig(
         model=args.model,
         port=free_port(),
-        engine_args=("--device", args.device),
+        engine_args=("--device", args.device, "--target-step-ms", str(args.target_step_ms)),
         router_args=("--max-queue-delay-s", str(args.max_queue_delay_s), "--log-level", "WARNING"),
         log_dir=log_dir,
         startup_timeout_s=400.0,
@@ -414,6 +438,18 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep-duration-s", type=float, default=20.0, help="seconds of load per Poisson rate"
     )
     parser.add_argument("--max-queue-delay-s", type=float, default=1.0)
+    parser.add_argument(
+        "--target-step-ms",
+        type=float,
+        default=0.0,
+        help="the stack engine's step-time target in ms (default 0: off)",
+    )
+    parser.add_argument(
+        "--offline-target-step-ms",
+        type=float,
+        default=0.0,
+        help="the offline engine's step-time target in ms (default 0: off)",
+    )
     parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting phases after")
     parser.add_argument("--out", type=Path, default=None, help="JSON (default by GPU name)")
     parser.add_argument("--plots-dir", type=Path, default=None, help="harness reports + plots")
@@ -422,7 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offline-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.offline_child is not None:
-        run_offline(args.model, args.num_requests, args.offline_child, args.device)
+        run_offline(
+            args.model,
+            args.num_requests,
+            args.offline_child,
+            args.device,
+            args.offline_target_step_ms,
+        )
         return 0
     _DEADLINE[0] = time.monotonic() + args.budget_s
     import torch
@@ -439,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         "stack_over_offline_tok_s": None,
         "first10_ttft_over_p50": None,
         "max_queue_delay_s": args.max_queue_delay_s,
+        "target_step_ms": args.target_step_ms,
+        "offline_target_step_ms": args.offline_target_step_ms,
         "overload_admitted_p99_ttft_s": None,
         "overload_goodput_over_saturation": None,
         "router_cpu_us_per_token": None,
@@ -462,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         child_out = Path(tempfile.mkdtemp(prefix="gpu-stack-offline-")) / "offline.json"
         command = [sys.executable, "-m", "benchmarks.gpu_stack", "--model", args.model]
         command += ["--num-requests", str(args.num_requests), "--device", args.device]
+        command += ["--offline-target-step-ms", str(args.offline_target_step_ms)]
         command += ["--offline-child", str(child_out)]
         started = time.perf_counter()
         try:
@@ -479,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         "device", "offline_output_tok_s", "offline_over_compute_bound",
         "offline_sharegpt_over_compute_bound", "stack_over_offline_tok_s",
         "stack_over_offline_sharegpt", "first10_ttft_over_p50", "first10_ttft_mean_over_p50",
-        "max_queue_delay_s",
+        "max_queue_delay_s", "target_step_ms", "offline_target_step_ms",
         "overload_admitted_p99_ttft_s", "overload_goodput_over_saturation", "overload_refused",
         "router_cpu_us_per_token", "tokenizer_cpu_us_per_token", "router_ceiling_tok_s_per_core",
     ]  # fmt: skip

@@ -56,3 +56,11 @@ def test_headline_ratios_come_from_the_phases():
     assert report["offline_over_compute_bound"] == 0.8
     assert report["stack_over_offline_tok_s"] == 0.96
     assert "stack_over_offline_sharegpt" not in report
+
+
+def test_step_time_percentiles_are_in_ms():
+    from benchmarks.gpu_stack import _percentiles_ms
+
+    stats = _percentiles_ms([0.010] * 9 + [0.110])
+    assert stats["p50"] == 10.0 and stats["max"] == 110.0 and stats["mean"] == 20.0
+    assert _percentiles_ms([]) == {}

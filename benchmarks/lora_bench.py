@@ -242,6 +242,8 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
             sync,
         )
     kernels_ms = lora_kernel_ms(adapters, config, rows, sync, it)
+    kernels_graph_ms = lora_kernel_ms(adapters, config, rows, sync, it, graph=True)
+    swap = adapter_swap_ms(adapters, runner, decode, sync)
     bandwidth = copy_bandwidth_bytes_per_s()
     floor_ms = {str(n): n * per_adapter / bandwidth * 1000.0 for n in (1, 8, 64)}
     ratios = {
@@ -268,15 +270,24 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
         "lora_ms": _round(lora),
         "ratio_to_base": _round(ratios, 3),
         "lora_kernels_alone_ms": _round(kernels_ms),
+        "lora_kernels_alone_graph_ms": _round(kernels_graph_ms),
+        "adapter_swap": swap,
         "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
         "adapter_read_floor_ms": _round(floor_ms),
     }
 
 
 def lora_kernel_ms(
-    adapters: EngineAdapters, config: Any, rows: int, sync: Callable[[], None], iterations: int
+    adapters: EngineAdapters,
+    config: Any,
+    rows: int,
+    sync: Callable[[], None],
+    iterations: int,
+    *,
+    graph: bool = False,
 ) -> dict[str, float]:
-    """The shrink/expand launches of one decode step alone (all layers, four projections)."""
+    """The shrink/expand launches of one decode step alone (all layers, four projections),
+    launched one by one or (graph) replayed from a CUDA graph as a decode step runs them."""
     from services.engine.lora.batch import LoRABatch
 
     runtime = adapters.runtime
@@ -299,8 +310,53 @@ def lora_kernel_ms(
                 for name in PROJECTIONS:
                     runtime.apply(layer, name, inputs[name], outputs[name])
 
-        result[label] = time_steps(step, iterations, sync)
+        if graph:
+            step()  # compiled before capture
+            sync()
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                step()
+            result[label] = time_steps(captured.replay, iterations, sync)
+        else:
+            result[label] = time_steps(step, iterations, sync)
+    runtime.set_batch(LoRABatch(0))
     return result
+
+
+def adapter_swap_ms(
+    adapters: EngineAdapters, runner: Any, decode: ScheduledBatch, sync: Callable[[], None]
+) -> dict[str, float]:
+    """What a request whose adapter is in host memory but in no slot pays before its first
+    token: the slot write (pinned host → device, on the step thread) ahead of its step, against
+    the bare copy of the same bytes and the same step with the adapter already resident."""
+    host = random_adapter(adapters, "swapped-in", seed=999, device=torch.device("cpu"))
+    pinned = tuple(
+        {name: type(f)(f.a.pin_memory(), f.b.pin_memory()) for name, f in layer.items()}
+        for layer in host.layers
+    )
+    host = type(host)(host.name, host.checksum, host.rank, host.modules, pinned)
+    slot = adapters.slots.max_loras - 1
+    batch = with_slots(decode, [slot] + [-1] * (len(decode.sequences) - 1))
+    step = runner_step(runner, adapters, batch)
+    resident_ms = time_steps(step, 10, sync)
+
+    def swap_and_step() -> None:
+        adapters.slots.write(slot, host)
+        step()
+
+    swap_ms = time_steps(swap_and_step, 10, sync)
+    flat = torch.empty(host.nbytes, dtype=torch.uint8).pin_memory()
+    target = torch.empty_like(flat, device="cuda")
+    copy_ms = time_steps(lambda: target.copy_(flat, non_blocking=True), 10, sync)
+    return _round(
+        {
+            "step_resident_ms": resident_ms,
+            "step_after_swap_ms": swap_ms,
+            "added_ms": swap_ms - resident_ms,
+            "h2d_copy_ms": copy_ms,
+            "added_over_copy_ms": swap_ms - resident_ms - copy_ms,
+        }
+    )
 
 
 def copy_bandwidth_bytes_per_s() -> float:

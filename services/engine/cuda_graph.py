@@ -5,10 +5,15 @@ one launch. `step(batch_size)` must read only static input buffers and write sta
 (its owner keeps those, filling rows past the real batch with padding); it is captured once
 per bucket, largest first, all graphs sharing one memory pool. replay(n) runs the smallest
 bucket that holds n rows.
+
+A model can be captured in more than one variant: with LoRA bound, "lora" graphs hold the
+adapter kernels and the plain ones ("base") do not, so a step without adapter rows replays a
+graph that does no LoRA work at all. `select_variant` (set by the owner) picks per replay.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -16,6 +21,7 @@ import torch
 from services.common.errors import InvalidArgumentError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+BASE = "base"
 
 
 class DecodeCudaGraphs:
@@ -26,15 +32,25 @@ class DecodeCudaGraphs:
             raise InvalidArgumentError("CUDA graph buckets must be positive batch sizes")
         self._step = step
         self.buckets = tuple(sorted(set(int(size) for size in buckets)))
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.select_variant: Callable[[], str] = lambda: BASE
+        self.replays: Counter[str] = Counter()  # per variant
 
     @property
     def max_batch_size(self) -> int:
         return self.buckets[-1]
 
-    def capture(self) -> None:
-        """Warm up and capture every bucket (largest first, so smaller ones reuse its memory)."""
-        pool = torch.cuda.graph_pool_handle()
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return tuple(sorted({variant for variant, _ in self._graphs}))
+
+    def capture(self, variant: str = BASE) -> None:
+        """Warm up and capture every bucket (largest first, so smaller ones reuse its memory)
+        as `variant`, replacing that variant's graphs; other variants stay."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._pool
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -46,7 +62,7 @@ class DecodeCudaGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._step(size)
-            self._graphs[size] = graph
+            self._graphs[variant, size] = graph
         torch.cuda.synchronize()
 
     def bucket_for(self, batch_size: int) -> int | None:
@@ -56,10 +72,18 @@ class DecodeCudaGraphs:
                 return size
         return None
 
+    def drop(self, variant: str) -> None:
+        """Forget `variant`'s graphs (replays then fall back to the base graphs)."""
+        for key in [key for key in self._graphs if key[0] == variant]:
+            del self._graphs[key]
+
     def replay(self, batch_size: int) -> int:
-        """Run the graph of batch_size's bucket; returns the bucket size."""
+        """Run the graph of batch_size's bucket in the selected variant; returns the bucket."""
         bucket = self.bucket_for(batch_size)
-        if bucket is None or bucket not in self._graphs:
+        variant = self.select_variant()
+        graph = None if bucket is None else self._graphs.get((variant, bucket))
+        if graph is None:
             raise InvalidArgumentError(f"no captured CUDA graph holds a batch of {batch_size}")
-        self._graphs[bucket].replay()
+        graph.replay()
+        self.replays[variant] += 1
         return bucket

@@ -29,7 +29,7 @@ import torch
 from services.common.errors import InvalidArgumentError
 from services.common.model_files import ModelFiles
 from services.engine.config import EngineConfig
-from services.engine.cuda_graph import DEFAULT_BUCKETS
+from services.engine.cuda_graph import BASE, DEFAULT_BUCKETS
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.kernels import triton_available
 from services.engine.model_runner import (
@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 FAST_PATH_BACKENDS = ("torch", "cuda")
 # Decode row counts whose projections may take the Triton skinny matmul (tuned per role).
 SKINNY_ROW_COUNTS = (1, 2, 4, 8)
+# The decode graphs captured with the LoRA kernels (services/engine/cuda_graph.py variants).
+LORA_GRAPHS = "lora"
 
 
 def fast_path_unsupported(config: ModelConfig) -> str | None:
@@ -184,17 +186,20 @@ class CudaModelRunner(BaseModelRunner):
         return max(config.max_num_batched_tokens, largest)
 
     def bind_lora(self, adapters: EngineAdapters) -> None:
-        """Wrap the projections (the fast path's tuned ones too) and recapture the decode
-        graphs with the LoRA kernels in every replay: slot indices are graph inputs, so a new
-        adapter mix needs no recapture."""
+        """Wrap the projections (the fast path's tuned ones too) and capture the decode graphs
+        again as a "lora" variant with the LoRA kernels in every replay (slot indices are graph
+        inputs, so a new adapter mix needs no recapture); a step without adapter rows keeps
+        replaying the base graphs, which do no LoRA work."""
         super().bind_lora(adapters)
         if self.fast is None or not self.use_cuda_graphs:
             return
-        adapters.runtime.launch_always = True
+        runtime = adapters.runtime
+        runtime.launch_always = True
         try:
-            self.fast.capture_graphs()
+            self.fast.capture_graphs(LORA_GRAPHS)
         finally:
-            adapters.runtime.launch_always = False
+            runtime.launch_always = False
+        self.fast.graphs.select_variant = lambda: BASE if runtime.batch.is_empty else LORA_GRAPHS
 
     def _tune_skinny_matmuls(self) -> str:
         """Bind the skinny-matmul choices saved for this GPU, shape, dtype and kernel code

@@ -105,6 +105,13 @@ def test_mixed_adapters_on_cuda_match_alone_and_the_cpu_engine(model_dir: Path) 
             agreeing += 1
     assert agreeing >= len(jobs) * MAX_TOKENS // 2
     assert gpu.engine.adapters.manager.num_slot_writes > 2  # two slots served four adapters
+    graphs = gpu.engine.runner.fast.graphs
+    assert graphs.variants == ("base", "lora")
+    lora_replays = graphs.replays["lora"]
+    assert lora_replays > 0
+    base_replays = graphs.replays["base"]
+    gpu.generate(PROMPTS, greedy)  # no adapter rows: the graphs without the LoRA kernels
+    assert graphs.replays["base"] > base_replays and graphs.replays["lora"] == lora_replays
     for llm in (gpu, cpu):
         llm.engine.shutdown()
     torch.cuda.synchronize()

@@ -26,7 +26,7 @@ from torch import nn
 from services.common.errors import InvalidArgumentError
 from services.engine.backends.base import AttentionBackend
 from services.engine.backends.cuda_backend import CudaAttentionBackend
-from services.engine.cuda_graph import DEFAULT_BUCKETS, DecodeCudaGraphs
+from services.engine.cuda_graph import BASE, DEFAULT_BUCKETS, DecodeCudaGraphs
 from services.engine.kernels.triton.rms_norm import rms_norm
 from services.engine.kernels.triton.skinny_matmul import pick_fastest, skinny_matmul
 from services.engine.kernels.triton.swiglu import swiglu
@@ -207,9 +207,9 @@ class CudaFastPath:
         return self.model.compute_logits(rows).float()
 
     # ---- graph-captured greedy decode -----------------------------------------------------
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, variant: str = BASE) -> None:
         with torch.inference_mode():
-            self.graphs.capture()
+            self.graphs.capture(variant)
 
     def _graph_step(self, batch_size: int) -> None:
         buffers = self._static

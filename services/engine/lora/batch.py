@@ -3,9 +3,9 @@
 Plain Python (no tensors). A step's tokens are laid out sequence after sequence; each sequence
 uses one slot (-1: the base model). `LoRABatch` keeps the maximal contiguous runs of rows with
 the same non-base slot as segments: the CPU path computes each segment's shrink and expand on a
-view of its rows, and base rows are in no segment, so they pay nothing. `kernel_layout` regroups
-the same rows by slot for the GPU kernels (rows of one slot gathered by index, one group per
-distinct slot), padded to fixed sizes so its arrays can live in CUDA-graph input buffers.
+view of its rows, and base rows are in no segment, so they pay nothing. `kernel_tiles` regroups
+the same rows by slot for the GPU kernels (rows of one slot gathered by index) and cuts each
+slot's rows into tiles of TILE_ROWS, packed into one fixed-size buffer that a CUDA graph reads.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from services.engine.forward_batch import ScheduledBatch
 
 BASE_SLOT = -1
+# Rows per GPU kernel tile: one tile is up to this many rows of one slot (the smallest
+# tensor-core dot); a step's tiles are its work items (services/engine/lora/runtime.py).
+TILE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -88,47 +91,56 @@ class LoRABatch:
             placed[slot] = placed.get(slot, 0) + length
         return rows, padded_index, group_size
 
-    def kernel_layout(self, num_rows: int, max_groups: int) -> KernelLayout:
-        """Rows grouped by slot, padded to `num_rows` indices and `max_groups` groups."""
-        if num_rows < self.num_rows:
-            raise ValueError(f"layout of {num_rows} rows for a batch of {self.num_rows}")
+    def kernel_tiles(self) -> KernelTiles:
+        """Rows grouped by slot, cut into tiles of at most TILE_ROWS rows of one slot each."""
         by_slot: dict[int, list[int]] = {}
         for start, length, slot in zip(self.starts, self.lengths, self.slots, strict=True):
             by_slot.setdefault(slot, []).extend(range(start, start + length))
-        if len(by_slot) > max_groups:
-            raise ValueError(f"{len(by_slot)} adapters in a batch, at most {max_groups} slots")
         row_indices: list[int] = []
-        group_starts: list[int] = []
-        group_lengths: list[int] = []
-        group_slots: list[int] = []
+        tile_slots: list[int] = []
+        tile_starts: list[int] = []
+        tile_rows: list[int] = []
         for slot in sorted(by_slot):
-            group_starts.append(len(row_indices))
-            group_lengths.append(len(by_slot[slot]))
-            group_slots.append(slot)
-            row_indices.extend(by_slot[slot])
-        padding = max_groups - len(group_slots)
-        group_starts.extend([len(row_indices)] * padding)
-        group_lengths.extend([0] * padding)
-        group_slots.extend([0] * padding)
-        row_indices.extend([0] * (num_rows - len(row_indices)))
-        return KernelLayout(
-            row_indices=row_indices,
-            group_starts=group_starts,
-            group_lengths=group_lengths,
-            group_slots=group_slots,
-            num_lora_rows=sum(self.lengths),
-        )
+            rows = by_slot[slot]
+            first = len(row_indices)
+            row_indices.extend(rows)
+            for offset in range(0, len(rows), TILE_ROWS):
+                tile_slots.append(slot)
+                tile_starts.append(first + offset)
+                tile_rows.append(min(TILE_ROWS, len(rows) - offset))
+        return KernelTiles(row_indices, tile_slots, tile_starts, tile_rows)
+
+
+def max_tiles(max_rows: int, max_loras: int) -> int:
+    """The most tiles a step of max_rows rows over max_loras slots cuts into (each slot's rows
+    fill whole tiles but its last)."""
+    return -(-max_rows // TILE_ROWS) + max_loras
 
 
 @dataclass(frozen=True)
-class KernelLayout:
-    """The GPU kernels' view: rows of group g are row_indices[start_g : start_g + length_g].
-
-    Unused groups have length 0 (their programs return at once); unused indices are 0.
-    """
+class KernelTiles:
+    """The GPU kernels' view: tile t is rows row_indices[tile_starts[t]:][:tile_rows[t]], all
+    of slot tile_slots[t]. Base rows are in no tile."""
 
     row_indices: list[int]
-    group_starts: list[int]
-    group_lengths: list[int]
-    group_slots: list[int]
-    num_lora_rows: int
+    tile_slots: list[int]
+    tile_starts: list[int]
+    tile_rows: list[int]
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self.tile_slots)
+
+    def packed(self, tile_capacity: int) -> list[int]:
+        """[num_tiles, slots, starts, row counts (each padded to tile_capacity), row indices]:
+        one int32 buffer, one host-to-device copy per step."""
+        if self.num_tiles > tile_capacity:
+            raise ValueError(f"{self.num_tiles} tiles, more than the {tile_capacity} laid out")
+        padding = [0] * (tile_capacity - self.num_tiles)
+        return [
+            self.num_tiles,
+            *self.tile_slots, *padding,
+            *self.tile_starts, *padding,
+            *self.tile_rows, *padding,
+            *self.row_indices,
+        ]  # fmt: skip

@@ -3,16 +3,17 @@
 The runner calls `set_batch` before each forward with the step's LoRABatch; every LoRA-capable
 projection then calls `apply(layer, projection, x, y)` right after its base matmul, which adds
 the adapters' deltas to y in place. `torch` computes them per segment (the CPU path; eager on
-a GPU too). `triton` runs the shrink/expand kernels over rows grouped by slot; their layout
-lives in fixed device buffers that `set_batch` overwrites, so a captured CUDA graph reads each
-step's adapter mix without recapture. A step with no adapter rows does no LoRA work at all.
+a GPU too). `triton` runs the shrink/expand kernels over tiles of rows grouped by slot; the tiles
+live in one fixed device buffer that `set_batch` overwrites (one pinned copy a step), so a
+captured CUDA graph reads each step's adapter mix without recapture. A step with no adapter
+rows does no LoRA work at all (the runner replays graphs captured without the kernels).
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.engine.lora.batch import LoRABatch
+from services.engine.lora.batch import TILE_ROWS, LoRABatch, max_tiles
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.torch_ops import add_lora, add_lora_grouped
 
@@ -22,13 +23,6 @@ KERNELS = ("torch", "triton")
 # multiplies the adapter rows by at most GROUPED_MAX_PADDING (decode batches of many adapters).
 GROUPED_MIN_SEGMENTS = 4
 GROUPED_MAX_PADDING = 4
-# The kernels' row layout buffers: one entry per row of the largest step, or per slot.
-LAYOUT_SIZES = {
-    "row_indices": "rows",
-    "group_starts": "slots",
-    "group_lengths": "slots",
-    "group_slots": "slots",
-}
 
 
 class LoRARuntime:
@@ -42,32 +36,43 @@ class LoRARuntime:
         self.slots = slots
         self.kernels = kernels
         self.batch = LoRABatch(0)
+        self.max_rows = 0  # the widest step the kernels' buffers take (0 on the torch path)
         self._offsets = {name: shape.slice_offsets for name, shape in slots.shapes.items()}
         # Launch the kernels even for a step without adapter rows (set while capturing a CUDA
         # graph, whose replays must contain them); their programs then return at once.
         self.launch_always = False
         self._grouped: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
-        self._layout: dict[str, torch.Tensor] = {}
-        self._slice_offsets: dict[str, torch.Tensor] = {}
-        self._shrunk = torch.empty(0)
+        self._partials = torch.empty(0)
         if kernels == "triton":
-            device = slots.device
-            for name, size in LAYOUT_SIZES.items():
-                count = max_rows if size == "rows" else slots.max_loras
-                self._layout[name] = torch.zeros(count, dtype=torch.int32, device=device)
-            self._slice_offsets = {
-                name: torch.tensor(offsets, dtype=torch.int32, device=device)
-                for name, offsets in self._offsets.items()
-            }
-            max_slices = max(shape.num_slices for shape in slots.shapes.values())
-            self._shrunk = torch.zeros(
-                max_rows, max_slices, slots.max_rank, dtype=torch.float32, device=device
-            )
+            self._init_kernel_buffers(max_rows)
 
-    @property
-    def max_rows(self) -> int:
-        """The widest step the kernels' row buffers take (0 on the torch path: no limit)."""
-        return int(self._shrunk.shape[0]) if self.kernels == "triton" else 0
+    def _init_kernel_buffers(self, max_rows: int) -> None:
+        """The fixed device buffers the kernels (and graphs capturing them) read every step."""
+        from services.engine.kernels.triton.lora_expand import column_blocks
+        from services.engine.kernels.triton.lora_shrink import MAX_SPLIT_K, SPLIT_K_MAX_ROWS
+
+        slots, device = self.slots, self.slots.device
+        self.max_rows = max_rows
+        self.tile_capacity = max_tiles(max_rows, slots.max_loras)
+        header = 1 + 3 * self.tile_capacity
+        # [tile count, tile slots, tile starts, tile row counts | row indices], one copy a step
+        self._packed = torch.zeros(header + max_rows, dtype=torch.int32, device=device)
+        self._tiles, self._row_indices = self._packed[:header], self._packed[header:]
+        self._staging = [torch.zeros_like(self._packed, device="cpu") for _ in range(2)]
+        if torch.device(device).type == "cuda":
+            self._staging = [buffer.pin_memory() for buffer in self._staging]
+        self._copied = [None, None]
+        self._turn = 0
+        self._num_tiles = 0  # this step's tiles, as the device buffer says
+        self._blocks = {
+            name: torch.tensor(column_blocks(offsets), dtype=torch.int32, device=device)
+            for name, offsets in self._offsets.items()
+        }
+        widest = max(shape.num_slices for shape in slots.shapes.values()) * slots.max_rank
+        split_rows = min(max_rows, SPLIT_K_MAX_ROWS) * MAX_SPLIT_K
+        self._partials = torch.zeros(
+            max(max_rows, split_rows) * widest, dtype=torch.float32, device=device
+        )
 
     def set_batch(self, batch: LoRABatch) -> None:
         """This step's rows and slots (for triton: written into the fixed layout buffers)."""
@@ -75,11 +80,26 @@ class LoRARuntime:
         if self.kernels != "triton":
             self._grouped = self._grouped_layout(batch)
             return
-        rows = self._layout["row_indices"].shape[0]
-        layout = batch.kernel_layout(rows, self.slots.max_loras)
-        for name in LAYOUT_SIZES:
-            values = torch.tensor(getattr(layout, name), dtype=torch.int32)
-            self._layout[name].copy_(values, non_blocking=True)
+        if batch.num_rows > self.max_rows:
+            raise ValueError(f"{batch.num_rows} rows, more than max_rows {self.max_rows}")
+        if batch.is_empty:
+            if self._num_tiles:
+                self._packed[:1].zero_()  # replays of graphs with the kernels do nothing
+                self._num_tiles = 0
+            return
+        tiles = batch.kernel_tiles()
+        packed = tiles.packed(self.tile_capacity)
+        staging, copied = self._staging[self._turn], self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()  # the copy from this buffer two steps ago is long done
+        staging[: len(packed)] = torch.tensor(packed, dtype=torch.int32)
+        self._packed[: len(packed)].copy_(staging[: len(packed)], non_blocking=True)
+        if staging.is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._turn] = event
+        self._turn ^= 1
+        self._num_tiles = tiles.num_tiles
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += this step's adapter deltas of `projection` in `layer` (x its input rows)."""
@@ -99,31 +119,28 @@ class LoRARuntime:
         from services.engine.kernels.triton.lora_expand import lora_expand
         from services.engine.kernels.triton.lora_shrink import lora_shrink
 
-        if x.shape[0] > self._shrunk.shape[0]:
-            raise ValueError(f"{x.shape[0]} rows, more than max_rows {self._shrunk.shape[0]}")
-        layout = self._layout
-        shrunk = self._shrunk[: x.shape[0]]
-        lora_shrink(
-            x,
-            a,
-            shrunk,
-            layout["row_indices"],
-            layout["group_starts"],
-            layout["group_lengths"],
-            layout["group_slots"],
-            slots.rank_tensors[projection],
+        rows = x.shape[0]
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} rows, more than max_rows {self.max_rows}")
+        # The grid: this step's tiles, or every tile there could be while a graph is captured.
+        bound = self.tile_capacity if self.launch_always else self._num_tiles
+        ranks = slots.rank_tensors[projection]
+        tiles, row_indices = self._tiles, self._row_indices
+        split_k = lora_shrink(
+            x, a, self._partials, tiles, row_indices, ranks, tile_rows=TILE_ROWS, tile_bound=bound
         )
         lora_expand(
-            shrunk,
+            self._partials,
             b,
             y,
-            self._slice_offsets[projection],
-            layout["row_indices"],
-            layout["group_starts"],
-            layout["group_lengths"],
-            layout["group_slots"],
-            slots.rank_tensors[projection],
-            widest_slice=max(slots.shapes[projection].slice_sizes),
+            tiles,
+            row_indices,
+            ranks,
+            self._blocks[projection],
+            split_k=split_k,
+            num_slices=slots.shapes[projection].num_slices,
+            tile_rows=TILE_ROWS,
+            tile_bound=bound,
         )
 
     def _grouped_layout(

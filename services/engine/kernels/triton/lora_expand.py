@@ -1,10 +1,13 @@
 """LoRA expand: y[row, slice cols] += u[row, slice] · B[slot(row), slice cols]ᵀ, in place.
 
-The second half of multi-LoRA (after lora_shrink): for each group of rows that share a slot,
-each program takes a block of gathered rows and a block of one slice's output columns (q, k, v
-of a fused qkv output, or gate, up), multiplies the float32 shrink result (rounded to B's dtype,
-as a LoRA layer in that dtype computes it) by the slot's rank-padded B, and adds it to y.
-Rows of no group (the base model's) are never read or written. Fixed grid, as in lora_shrink.
+The second half of multi-LoRA (after lora_shrink). A work item is one tile of rows (one slot)
+and one block of output columns; the column blocks of all slices (q, k, v of a fused qkv
+output, or gate, up) are laid end to end in a per-projection table (`column_blocks`: the slice
+of each block, its first column, its slice's end), so no item falls in a gap of a narrow
+slice. Each item sums the shrink's K-split planes of its rows' u (float32, rounded to B's
+dtype, as a LoRA layer in that dtype computes it), multiplies by the slot's rank-padded B and
+adds the result to y. Rows of no tile (the base model's) are never read or written. Persistent
+grid, item count read on the device, as in lora_shrink.
 """
 
 from __future__ import annotations
@@ -13,129 +16,134 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels.triton.lora_shrink import persistent_grid
+
+BLOCK_N = 128
+
+
+def column_blocks(slice_offsets: tuple[int, ...], block_n: int = BLOCK_N) -> list[int]:
+    """[slice, first column, slice end] per column block of a projection, flattened."""
+    table: list[int] = []
+    for index, (low, high) in enumerate(zip(slice_offsets, slice_offsets[1:], strict=False)):
+        for first in range(low, high, block_n):
+            table.extend((index, first, high))
+    return table
+
 
 @triton.jit
 def _lora_expand_kernel(
-    shrunk_ptr,
+    partials_ptr,
     b_ptr,
     y_ptr,
-    slice_offsets_ptr,
+    tiles_ptr,
     row_indices_ptr,
-    group_starts_ptr,
-    group_lengths_ptr,
-    group_slots_ptr,
     slot_ranks_ptr,
-    stride_sm,
-    stride_si,
+    blocks_ptr,
+    num_blocks,
+    stride_pk,
+    stride_pm,
     stride_bs,
     stride_bo,
     stride_ym,
-    NUM_SLICES: tl.constexpr,
+    TILE_CAPACITY: tl.constexpr,
+    MAX_RANK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    group = tl.program_id(2) // NUM_SLICES
-    slice_id = tl.program_id(2) % NUM_SLICES
-    length = tl.load(group_lengths_ptr + group)
-    m_start = pid_m * BLOCK_M
-    if m_start >= length:
-        return
-    low = tl.load(slice_offsets_ptr + slice_id)
-    high = tl.load(slice_offsets_ptr + slice_id + 1)
-    n_start = low + pid_n * BLOCK_N
-    if n_start >= high:
-        return
-    slot = tl.load(group_slots_ptr + group).to(tl.int64)
-    rank = tl.load(slot_ranks_ptr + slot)
-    if rank == 0:  # the adapter leaves this projection alone
-        return
-    start = tl.load(group_starts_ptr + group)
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < length
-    rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < high
+    num_items = tl.load(tiles_ptr) * num_blocks
+    offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank  # the slot's real rank: its padding is never read
-    shrunk = tl.load(
-        shrunk_ptr + rows[:, None] * stride_sm + slice_id * stride_si + offs_r[None, :],
-        mask=mask_m[:, None] & mask_r[None, :],
-        other=0.0,
-    )
-    b_tile = tl.load(
-        b_ptr + slot * stride_bs + offs_n[None, :] * stride_bo + offs_r[:, None],
-        mask=mask_n[None, :] & mask_r[:, None],
-        other=0.0,
-    )
-    if IEEE:
-        delta = tl.dot(shrunk, b_tile, input_precision="ieee")
-    else:
-        delta = tl.dot(shrunk.to(b_tile.dtype), b_tile)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
-    y_mask = mask_m[:, None] & mask_n[None, :]
-    y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y_tile + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+    item = tl.program_id(0)
+    while item < num_items:
+        tile = item // num_blocks
+        block = item % num_blocks
+        slot = tl.load(tiles_ptr + 1 + tile).to(tl.int64)
+        rank = tl.load(slot_ranks_ptr + slot)
+        if rank > 0:  # 0: the adapter leaves this projection alone
+            start = tl.load(tiles_ptr + 1 + TILE_CAPACITY + tile)
+            count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
+            slice_id = tl.load(blocks_ptr + 3 * block)
+            first = tl.load(blocks_ptr + 3 * block + 1)
+            end = tl.load(blocks_ptr + 3 * block + 2)
+            mask_m = offs_m < count
+            rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+            mask_r = offs_r < rank  # the slot's real rank: its padding is never read
+            u_ptrs = partials_ptr + rows[:, None] * stride_pm + slice_id * MAX_RANK
+            u_ptrs += offs_r[None, :]
+            u_mask = mask_m[:, None] & mask_r[None, :]
+            u = tl.load(u_ptrs, mask=u_mask, other=0.0)
+            for split in range(1, SPLIT_K):
+                u += tl.load(u_ptrs + split * stride_pk, mask=u_mask, other=0.0)
+            offs_n = first + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            b_tile = tl.load(
+                b_ptr + slot * stride_bs + offs_n[None, :] * stride_bo + offs_r[:, None],
+                mask=mask_n[None, :] & mask_r[:, None],
+                other=0.0,
+            )
+            if IEEE:
+                delta = tl.dot(u, b_tile, input_precision="ieee")
+            else:
+                delta = tl.dot(u.to(b_tile.dtype), b_tile)
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+            y_mask = mask_m[:, None] & mask_n[None, :]
+            y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, (y_tile + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+        item += tl.num_programs(0)
 
 
 def lora_expand(
-    shrunk: torch.Tensor,
+    partials: torch.Tensor,
     b: torch.Tensor,
     y: torch.Tensor,
-    slice_offsets: torch.Tensor,
+    tiles: torch.Tensor,
     row_indices: torch.Tensor,
-    group_starts: torch.Tensor,
-    group_lengths: torch.Tensor,
-    group_slots: torch.Tensor,
     slot_ranks: torch.Tensor,
+    blocks: torch.Tensor,
     *,
-    widest_slice: int,
+    split_k: int,
+    num_slices: int,
+    tile_rows: int,
+    tile_bound: int,
 ) -> None:
-    """y[r, cols of slice i] += shrunk[r, i] · b[slot, cols of slice i]ᵀ for grouped rows r.
+    """y[r, cols of slice i] += Σ_s partials[s, r, i] · b[slot, cols of slice i]ᵀ for tiled rows.
 
-    shrunk float32 [T, >=slices, rank] from lora_shrink; b [slots, out, rank] (last dim
-    contiguous); y [T, out] with unit column stride; slice_offsets int32 [slices + 1] on the
-    device (the slice starts in y plus the total) and widest_slice the largest slice width;
-    the group tensors and slot_ranks as for lora_shrink.
+    partials float32 from lora_shrink (split_k planes of y's rows × num_slices × max_rank);
+    b [slots, out, max_rank] (last dim contiguous); y [T, out] with unit column stride; blocks
+    int32 on the device, column_blocks(...) of this projection with BLOCK_N; tiles, row_indices,
+    slot_ranks, tile_rows and tile_bound as for lora_shrink.
     """
     rows = y.shape[0]
-    if rows == 0:
-        return
-    _, out_features, rank = b.shape
-    num_slices = slice_offsets.shape[0] - 1
-    if y.stride(1) != 1 or b.stride(2) != 1 or shrunk.stride(2) != 1:
-        raise ValueError("lora_expand needs unit last-dim strides of y, b and shrunk")
+    _, out_features, max_rank = b.shape
+    if y.stride(1) != 1 or b.stride(2) != 1:
+        raise ValueError("lora_expand needs unit last-dim strides of y and b")
     if y.shape[1] != out_features:
         raise ValueError(f"y has {y.shape[1]} columns, B {out_features} rows")
-    block_m = 16 if rows <= 16 else (32 if rows <= 256 else 64)
-    block_n = 128
-    grid = (
-        triton.cdiv(rows, block_m),
-        triton.cdiv(widest_slice, block_n),
-        group_slots.shape[0] * num_slices,
-    )
-    _lora_expand_kernel[grid](
-        shrunk,
+    num_blocks = blocks.shape[0] // 3
+    width = num_slices * max_rank
+    _lora_expand_kernel[persistent_grid(tile_bound * num_blocks, y.device)](
+        partials,
         b,
         y,
-        slice_offsets,
+        tiles,
         row_indices,
-        group_starts,
-        group_lengths,
-        group_slots,
         slot_ranks,
-        shrunk.stride(0),
-        shrunk.stride(1),
+        blocks,
+        num_blocks,
+        rows * width,
+        width,
         b.stride(0),
         b.stride(1),
         y.stride(0),
-        NUM_SLICES=num_slices,
+        TILE_CAPACITY=(tiles.shape[0] - 1) // 3,
+        MAX_RANK=max_rank,
+        SPLIT_K=split_k,
         IEEE=y.dtype == torch.float32,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_M=tile_rows,
+        BLOCK_N=BLOCK_N,
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         num_warps=4,
     )

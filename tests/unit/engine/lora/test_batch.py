@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
-from services.engine.lora.batch import LoRABatch
+from services.engine.lora.batch import TILE_ROWS, LoRABatch, max_tiles
 
 
 def test_runs_merge_and_base_rows_are_in_no_segment() -> None:
@@ -37,15 +37,29 @@ def test_bad_runs_are_refused() -> None:
         LoRABatch.from_runs([(-1, 0)])
 
 
-def test_kernel_layout_groups_rows_by_slot_and_pads() -> None:
+def test_kernel_tiles_group_rows_by_slot_and_pack() -> None:
     batch = LoRABatch.from_row_slots([3, -1, 1, 3, 3, -1, 1])
-    layout = batch.kernel_layout(num_rows=10, max_groups=4)
-    assert layout.group_slots == [1, 3, 0, 0]
-    assert layout.group_lengths == [2, 3, 0, 0]
-    assert layout.group_starts == [0, 2, 5, 5]
-    assert layout.row_indices == [2, 6, 0, 3, 4, 0, 0, 0, 0, 0]
-    assert layout.num_lora_rows == 5
-    with pytest.raises(ValueError, match="at most 1 slots"):
-        batch.kernel_layout(num_rows=10, max_groups=1)
-    with pytest.raises(ValueError, match="layout of 3 rows"):
-        batch.kernel_layout(num_rows=3, max_groups=4)
+    tiles = batch.kernel_tiles()
+    assert tiles.row_indices == [2, 6, 0, 3, 4]
+    assert (tiles.tile_slots, tiles.tile_starts, tiles.tile_rows) == ([1, 3], [0, 2], [2, 3])
+    assert tiles.packed(3) == [2, 1, 3, 0, 0, 2, 0, 2, 3, 0, 2, 6, 0, 3, 4]
+    with pytest.raises(ValueError, match="2 tiles, more than the 1"):
+        tiles.packed(1)
+
+
+def test_a_slot_with_many_rows_spans_tiles() -> None:
+    rows = 2 * TILE_ROWS + 3
+    batch = LoRABatch.from_runs([(5, -1), (rows, 2), (1, 0)])
+    tiles = batch.kernel_tiles()
+    assert tiles.tile_slots == [0, 2, 2, 2]
+    assert tiles.tile_rows == [1, TILE_ROWS, TILE_ROWS, 3]
+    assert tiles.tile_starts == [0, 1, 1 + TILE_ROWS, 1 + 2 * TILE_ROWS]
+    assert tiles.row_indices == [5 + rows, *range(5, 5 + rows)]
+    # every slot's rows fill whole tiles but its last: the capacity bounds any mix
+    assert tiles.num_tiles <= max_tiles(batch.num_rows, 3)
+    worst = LoRABatch.from_row_slots([0, 1, 2] * TILE_ROWS + [0])
+    assert worst.kernel_tiles().num_tiles <= max_tiles(worst.num_rows, 3)
+
+
+def test_an_empty_batch_has_no_tiles() -> None:
+    assert LoRABatch.from_row_slots([-1, -1]).kernel_tiles().packed(2) == [0] * 7

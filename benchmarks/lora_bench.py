@@ -329,12 +329,10 @@ def adapter_swap_ms(
     """What a request whose adapter is in host memory but in no slot pays before its first
     token: the slot write (pinned host → device, on the step thread) ahead of its step, against
     the bare copy of the same bytes and the same step with the adapter already resident."""
+    from services.engine.lora.weights import stack_layers
+
     host = random_adapter(adapters, "swapped-in", seed=999, device=torch.device("cpu"))
-    pinned = tuple(
-        {name: type(f)(f.a.pin_memory(), f.b.pin_memory()) for name, f in layer.items()}
-        for layer in host.layers
-    )
-    host = type(host)(host.name, host.checksum, host.rank, host.modules, pinned)
+    host = stack_layers(host, pin=True)  # as the engine's loader leaves it in the host cache
     slot = adapters.slots.max_loras - 1
     batch = with_slots(decode, [slot] + [-1] * (len(decode.sequences) - 1))
     step = runner_step(runner, adapters, batch)

@@ -33,7 +33,7 @@ from services.engine.lora.loader import inspect_adapter, load_registered_adapter
 from services.engine.lora.manager import AdapterManager
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
-from services.engine.lora.weights import AdapterWeights, ProjectionWeights
+from services.engine.lora.weights import AdapterWeights, stack_layers
 from services.engine.lora.wrap import attach_lora
 from services.engine.models.config import ModelConfig
 
@@ -156,11 +156,4 @@ class EngineAdapters:
         )
         if self.device.type != "cuda":
             return weights
-        layers = tuple(
-            {
-                name: ProjectionWeights(factors.a.pin_memory(), factors.b.pin_memory())
-                for name, factors in layer.items()
-            }
-            for layer in weights.layers
-        )
-        return AdapterWeights(weights.name, weights.checksum, weights.rank, weights.modules, layers)
+        return stack_layers(weights, pin=True)

@@ -42,14 +42,12 @@ class LoRARuntime:
         # graph, whose replays must contain them); their programs then return at once.
         self.launch_always = False
         self._grouped: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
-        self._partials = torch.empty(0)
         if kernels == "triton":
             self._init_kernel_buffers(max_rows)
 
     def _init_kernel_buffers(self, max_rows: int) -> None:
         """The fixed device buffers the kernels (and graphs capturing them) read every step."""
         from services.engine.kernels.triton.lora_expand import column_blocks
-        from services.engine.kernels.triton.lora_shrink import MAX_SPLIT_K, SPLIT_K_MAX_ROWS
 
         slots, device = self.slots, self.slots.device
         self.max_rows = max_rows
@@ -69,10 +67,10 @@ class LoRARuntime:
             for name, offsets in self._offsets.items()
         }
         widest = max(shape.num_slices for shape in slots.shapes.values()) * slots.max_rank
-        split_rows = min(max_rows, SPLIT_K_MAX_ROWS) * MAX_SPLIT_K
-        self._partials = torch.zeros(
-            max(max_rows, split_rows) * widest, dtype=torch.float32, device=device
-        )
+        # Shrink results, two buffers used in turn: each shrink adds into one and zeroes the
+        # other's rows of its tiles for the next projection (lora_shrink's docstring).
+        self._u = torch.zeros(2, max_rows, widest, dtype=torch.float32, device=device)
+        self._u_turn = 0
 
     def set_batch(self, batch: LoRABatch) -> None:
         """This step's rows and slots (for triton: written into the fixed layout buffers)."""
@@ -89,6 +87,7 @@ class LoRARuntime:
             return
         tiles = batch.kernel_tiles()
         packed = tiles.packed(self.tile_capacity)
+        self._u.zero_()  # rows of the last step's tiles may hold its last projection's u
         staging, copied = self._staging[self._turn], self._copied[self._turn]
         if copied is not None:
             copied.synchronize()  # the copy from this buffer two steps ago is long done
@@ -126,19 +125,17 @@ class LoRARuntime:
         bound = self.tile_capacity if self.launch_always else self._num_tiles
         ranks = slots.rank_tensors[projection]
         tiles, row_indices = self._tiles, self._row_indices
-        split_k = lora_shrink(
-            x, a, self._partials, tiles, row_indices, ranks, tile_rows=TILE_ROWS, tile_bound=bound
-        )
+        u, zero = self._u[self._u_turn], self._u[1 - self._u_turn]
+        self._u_turn ^= 1
+        lora_shrink(x, a, u, zero, tiles, row_indices, ranks, tile_rows=TILE_ROWS, tile_bound=bound)
         lora_expand(
-            self._partials,
+            u,
             b,
             y,
             tiles,
             row_indices,
             ranks,
             self._blocks[projection],
-            split_k=split_k,
-            num_slices=slots.shapes[projection].num_slices,
             tile_rows=TILE_ROWS,
             tile_bound=bound,
         )

@@ -1,10 +1,13 @@
 """Device slots: every adapter's factors stacked per layer and projection, rank-padded.
 
 For each decoder layer and fused projection, one A buffer [max_loras, num_slices, max_rank, in]
-and one B buffer [max_loras, out, max_rank]. Writing an adapter into slot s fills row s (zeros
-past its rank and in projections it leaves out); a batch then refers to adapters only by slot
-index, so those indices (not the weights) are what changes from step to step — which lets them
-be CUDA-graph inputs, and lets one kernel launch serve every adapter of a batch.
+and one B buffer [max_loras, out, max_rank], views of one stack over layers per projection
+(`a_stacks`, `b_stacks`). Writing an adapter into slot s fills row s (zeros past its rank and in
+projections it leaves out): one copy per projection and factor when its host copy is stacked
+(AdapterWeights.stacked), so a swap costs its host-to-device copy and a few launches. A batch
+then refers to adapters only by slot index, so those indices (not the weights) are what
+changes from step to step — which lets them be CUDA-graph inputs, and lets one kernel launch
+serve every adapter of a batch.
 `ranks[projection][slot]` (0: the adapter leaves that projection alone; a host list, and the
 same in `rank_tensors` on the device) lets both paths skip work and read only each adapter's
 real rank.
@@ -37,18 +40,28 @@ class LoRASlots:
         self.dtype = dtype
         self.device = torch.device(device)
         self.shapes: dict[str, ProjectionShape] = projection_shapes(model_config)
-        self.a: list[dict[str, torch.Tensor]] = []
-        self.b: list[dict[str, torch.Tensor]] = []
-        for _ in range(self.num_layers):
-            a_layer, b_layer = {}, {}
-            for name in PROJECTIONS:
-                shape = self.shapes[name]
-                a_size = (max_loras, shape.num_slices, max_rank, shape.in_features)
-                a_layer[name] = torch.zeros(a_size, dtype=dtype, device=self.device)
-                b_size = (max_loras, shape.out_features, max_rank)
-                b_layer[name] = torch.zeros(b_size, dtype=dtype, device=self.device)
-            self.a.append(a_layer)
-            self.b.append(b_layer)
+        self.a_stacks: dict[str, torch.Tensor] = {}
+        self.b_stacks: dict[str, torch.Tensor] = {}
+        for name in PROJECTIONS:
+            shape = self.shapes[name]
+            self.a_stacks[name] = torch.zeros(
+                (self.num_layers, max_loras, shape.num_slices, max_rank, shape.in_features),
+                dtype=dtype,
+                device=self.device,
+            )
+            self.b_stacks[name] = torch.zeros(
+                (self.num_layers, max_loras, shape.out_features, max_rank),
+                dtype=dtype,
+                device=self.device,
+            )
+        self.a: list[dict[str, torch.Tensor]] = [
+            {name: stack[layer] for name, stack in self.a_stacks.items()}
+            for layer in range(self.num_layers)
+        ]
+        self.b: list[dict[str, torch.Tensor]] = [
+            {name: stack[layer] for name, stack in self.b_stacks.items()}
+            for layer in range(self.num_layers)
+        ]
         self.ranks: dict[str, list[int]] = {name: [0] * max_loras for name in PROJECTIONS}
         # The same ranks on the device, for the GPU kernels (which read no padding past them).
         self.rank_tensors: dict[str, torch.Tensor] = {
@@ -59,7 +72,7 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in (*self.a, *self.b) for t in layer.values())
+        return sum(t.nbytes for t in (*self.a_stacks.values(), *self.b_stacks.values()))
 
     def write(self, slot: int, weights: AdapterWeights) -> None:
         """Put `weights` in `slot`, replacing whatever was there."""
@@ -69,24 +82,42 @@ class LoRASlots:
             raise ValueError(f"adapter rank {weights.rank} over the slot rank {self.max_rank}")
         if len(weights.layers) != self.num_layers:
             raise ValueError(f"adapter has {len(weights.layers)} layers, model {self.num_layers}")
-        self.clear(slot)
         rank = weights.rank
-        for layer, projections in enumerate(weights.layers):
-            for name, factors in projections.items():
-                self.a[layer][name][slot, :, :rank].copy_(factors.a, non_blocking=True)
-                self.b[layer][name][slot, :, :rank].copy_(factors.b, non_blocking=True)
+        if weights.stacked is None:
+            self.clear(slot)
+            for layer, projections in enumerate(weights.layers):
+                for name, factors in projections.items():
+                    self.a[layer][name][slot, :, :rank].copy_(factors.a, non_blocking=True)
+                    self.b[layer][name][slot, :, :rank].copy_(factors.b, non_blocking=True)
+        else:
+            for name in PROJECTIONS:
+                stacked = weights.stacked.get(name)
+                old_rank = self.ranks[name][slot]
+                if stacked is None:  # left out: zero what the slot's last adapter wrote
+                    if old_rank:
+                        self._zero(name, slot, 0, old_rank)
+                        self.ranks[name][slot] = 0
+                        self.rank_tensors[name][slot] = 0
+                    continue
+                self.a_stacks[name][:, slot, :, :rank].copy_(stacked.a, non_blocking=True)
+                self.b_stacks[name][:, slot, :, :rank].copy_(stacked.b, non_blocking=True)
+                if old_rank > rank:
+                    self._zero(name, slot, rank, old_rank)
         for name in weights.projections():
             self.ranks[name][slot] = rank
             self.rank_tensors[name][slot] = rank
         self.names[slot] = weights.name
 
+    def _zero(self, name: str, slot: int, low: int, high: int) -> None:
+        """Zero ranks low..high of `slot` in every layer of projection `name`."""
+        self.a_stacks[name][:, slot, :, low:high].zero_()
+        self.b_stacks[name][:, slot, :, low:high].zero_()
+
     def clear(self, slot: int) -> None:
         """Zero `slot` where its last adapter wrote (the rest is zero already)."""
         for name in PROJECTIONS:
             if self.ranks[name][slot]:
-                for layer in range(self.num_layers):
-                    self.a[layer][name][slot].zero_()
-                    self.b[layer][name][slot].zero_()
+                self._zero(name, slot, 0, self.ranks[name][slot])
                 self.ranks[name][slot] = 0
                 self.rank_tensors[name][slot] = 0
         self.names[slot] = None

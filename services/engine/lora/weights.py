@@ -32,6 +32,10 @@ class AdapterWeights:
     rank: int  # the largest module rank; every A/B here is padded to it
     modules: frozenset[str]  # the PEFT modules it trained (q_proj, ..., down_proj)
     layers: tuple[dict[str, ProjectionWeights], ...]
+    # The same factors stacked over layers per projection (A [layers, slices, rank, in], B
+    # [layers, out, rank]; zeros in layers the adapter leaves out), `layers` then being views
+    # of them: a device slot takes each in one copy (services/engine/lora/slots.py).
+    stacked: dict[str, ProjectionWeights] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -44,3 +48,26 @@ class AdapterWeights:
     def projections(self) -> frozenset[str]:
         """The fused projections that this adapter changes in at least one layer."""
         return frozenset(name for layer in self.layers for name in layer)
+
+
+def stack_layers(weights: AdapterWeights, *, pin: bool) -> AdapterWeights:
+    """`weights` with its factors stacked over layers (in pinned host memory with `pin`; the
+    `layers` become views of the stacks), for one copy per projection and factor."""
+    stacks: dict[str, ProjectionWeights] = {}
+    count = len(weights.layers)
+    for name in sorted(weights.projections()):
+        first = next(layer[name] for layer in weights.layers if name in layer)
+        a = torch.zeros((count, *first.a.shape), dtype=first.a.dtype, pin_memory=pin)
+        b = torch.zeros((count, *first.b.shape), dtype=first.b.dtype, pin_memory=pin)
+        for index, layer in enumerate(weights.layers):
+            if name in layer:
+                a[index].copy_(layer[name].a)
+                b[index].copy_(layer[name].b)
+        stacks[name] = ProjectionWeights(a, b)
+    layers = tuple(
+        {name: ProjectionWeights(stacks[name].a[index], stacks[name].b[index]) for name in layer}
+        for index, layer in enumerate(weights.layers)
+    )
+    return AdapterWeights(
+        weights.name, weights.checksum, weights.rank, weights.modules, layers, stacks
+    )

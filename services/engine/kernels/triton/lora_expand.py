@@ -4,9 +4,9 @@ The second half of multi-LoRA (after lora_shrink). A work item is one tile of ro
 and one block of output columns; the column blocks of all slices (q, k, v of a fused qkv
 output, or gate, up) are laid end to end in a per-projection table (`column_blocks`: the slice
 of each block, its first column, its slice's end), so no item falls in a gap of a narrow
-slice. Each item sums the shrink's K-split planes of its rows' u (float32, rounded to B's
-dtype, as a LoRA layer in that dtype computes it), multiplies by the slot's rank-padded B and
-adds the result to y. Rows of no tile (the base model's) are never read or written. Persistent
+slice. Each item takes its rows' u from the shrink (float32, rounded to B's dtype, as a LoRA
+layer in that dtype computes it), multiplies it by the slot's rank-padded B and adds the
+result to y. Rows of no tile (the base model's) are never read or written. Persistent
 grid, item count read on the device, as in lora_shrink.
 """
 
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from services.engine.kernels.triton.lora_shrink import persistent_grid
 
-BLOCK_N = 128
+BLOCK_N = 256
 
 
 def column_blocks(slice_offsets: tuple[int, ...], block_n: int = BLOCK_N) -> list[int]:
@@ -32,7 +32,7 @@ def column_blocks(slice_offsets: tuple[int, ...], block_n: int = BLOCK_N) -> lis
 
 @triton.jit
 def _lora_expand_kernel(
-    partials_ptr,
+    u_ptr,
     b_ptr,
     y_ptr,
     tiles_ptr,
@@ -40,14 +40,12 @@ def _lora_expand_kernel(
     slot_ranks_ptr,
     blocks_ptr,
     num_blocks,
-    stride_pk,
-    stride_pm,
+    stride_um,
     stride_bs,
     stride_bo,
     stride_ym,
     TILE_CAPACITY: tl.constexpr,
     MAX_RANK: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -71,12 +69,8 @@ def _lora_expand_kernel(
             mask_m = offs_m < count
             rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
             mask_r = offs_r < rank  # the slot's real rank: its padding is never read
-            u_ptrs = partials_ptr + rows[:, None] * stride_pm + slice_id * MAX_RANK
-            u_ptrs += offs_r[None, :]
-            u_mask = mask_m[:, None] & mask_r[None, :]
-            u = tl.load(u_ptrs, mask=u_mask, other=0.0)
-            for split in range(1, SPLIT_K):
-                u += tl.load(u_ptrs + split * stride_pk, mask=u_mask, other=0.0)
+            u_ptrs = u_ptr + rows[:, None] * stride_um + slice_id * MAX_RANK + offs_r[None, :]
+            u = tl.load(u_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
             offs_n = first + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             b_tile = tl.load(
@@ -96,7 +90,7 @@ def _lora_expand_kernel(
 
 
 def lora_expand(
-    partials: torch.Tensor,
+    u: torch.Tensor,
     b: torch.Tensor,
     y: torch.Tensor,
     tiles: torch.Tensor,
@@ -104,28 +98,25 @@ def lora_expand(
     slot_ranks: torch.Tensor,
     blocks: torch.Tensor,
     *,
-    split_k: int,
-    num_slices: int,
     tile_rows: int,
     tile_bound: int,
 ) -> None:
-    """y[r, cols of slice i] += Σ_s partials[s, r, i] · b[slot, cols of slice i]ᵀ for tiled rows.
+    """y[r, cols of slice i] += u[r, i * max_rank:][:rank] · b[slot, cols of slice i]ᵀ for
+    every row r of every tile.
 
-    partials float32 from lora_shrink (split_k planes of y's rows × num_slices × max_rank);
-    b [slots, out, max_rank] (last dim contiguous); y [T, out] with unit column stride; blocks
-    int32 on the device, column_blocks(...) of this projection with BLOCK_N; tiles, row_indices,
-    slot_ranks, tile_rows and tile_bound as for lora_shrink.
+    u float32 from lora_shrink (row-major, unit column stride); b [slots, out, max_rank] (last
+    dim contiguous); y [T, out] with unit column stride; blocks int32 on the device,
+    column_blocks(...) of this projection; tiles, row_indices, slot_ranks, tile_rows and
+    tile_bound as for lora_shrink.
     """
-    rows = y.shape[0]
     _, out_features, max_rank = b.shape
-    if y.stride(1) != 1 or b.stride(2) != 1:
-        raise ValueError("lora_expand needs unit last-dim strides of y and b")
+    if y.stride(1) != 1 or b.stride(2) != 1 or u.stride(1) != 1:
+        raise ValueError("lora_expand needs unit last-dim strides of y, b and u")
     if y.shape[1] != out_features:
         raise ValueError(f"y has {y.shape[1]} columns, B {out_features} rows")
     num_blocks = blocks.shape[0] // 3
-    width = num_slices * max_rank
     _lora_expand_kernel[persistent_grid(tile_bound * num_blocks, y.device)](
-        partials,
+        u,
         b,
         y,
         tiles,
@@ -133,14 +124,12 @@ def lora_expand(
         slot_ranks,
         blocks,
         num_blocks,
-        rows * width,
-        width,
+        u.stride(0),
         b.stride(0),
         b.stride(1),
         y.stride(0),
         TILE_CAPACITY=(tiles.shape[0] - 1) // 3,
         MAX_RANK=max_rank,
-        SPLIT_K=split_k,
         IEEE=y.dtype == torch.float32,
         BLOCK_M=tile_rows,
         BLOCK_N=BLOCK_N,

@@ -7,10 +7,12 @@ size. The grid is a few programs per SM, fixed by the padded row count, never by
 mix: the item count is read on the device, so a captured CUDA graph serves any mix, and a step
 of one adapter launches the same few hundred programs as one of sixty-four, not one per slot.
 Each item multiplies its gathered rows by every slice of the slot's A at once (the slices'
-rank-padded rows are contiguous, so x is read once per tile) with a tensor-core dot, and writes
-float32 partial sums to its split's plane of `partials` [splits, rows, slices * max_rank]; the
-expand kernel sums the planes (no atomics, no zeroing). Rows past a slot's real rank are masked
-(its padding is never read) and come out zero.
+rank-padded rows are contiguous, so x is read once per tile) with a tensor-core dot over its
+K range and adds the float32 result into u [rows, slices * max_rank] atomically (splits keep
+each item's K loop short: decode steps have few tiles). u must be zero in the tiles' rows; the
+caller alternates two u buffers, and each launch zeroes the other one's rows of its tiles, for
+the next projection to add into (services/engine/lora/runtime.py), so no launch is spent on
+zeroing. Rows past a slot's real rank are masked (its padding is never read) and stay zero.
 """
 
 from __future__ import annotations
@@ -21,33 +23,36 @@ import triton.language as tl
 
 # Programs per SM of the persistent grids (shrink and expand).
 PROGRAMS_PER_SM = 8
-# Split K only for decode-sized steps, at most this many ways.
-MAX_SPLIT_K = 8
+# K per split item: decode-sized steps (few tiles) split finer than prefill-sized ones.
 SPLIT_K_MAX_ROWS = 256
+DECODE_K_PER_SPLIT = 256
+PREFILL_K_PER_SPLIT = 1024
 
 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
-    partials_ptr,
+    u_ptr,
+    zero_ptr,
     tiles_ptr,
     row_indices_ptr,
     slot_ranks_ptr,
     stride_xm,
     stride_as,
-    stride_pk,
-    stride_pm,
+    stride_um,
     IN_FEATURES: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     TILE_CAPACITY: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
+    WIDTH: tl.constexpr,
+    ZERO_WIDTH: tl.constexpr,
     MAX_RANK: tl.constexpr,
     SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_Z: tl.constexpr,
 ):
     num_items = tl.load(tiles_ptr) * SPLIT_K
     offs_j = tl.arange(0, BLOCK_J)  # slice * MAX_RANK + rank index
@@ -58,12 +63,21 @@ def _lora_shrink_kernel(
         split = item % SPLIT_K
         slot = tl.load(tiles_ptr + 1 + tile).to(tl.int64)
         rank = tl.load(slot_ranks_ptr + slot)
+        start = tl.load(tiles_ptr + 1 + TILE_CAPACITY + tile)
+        count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
+        mask_m = offs_m < count
+        rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        u_offsets = rows[:, None] * stride_um + offs_j[None, :]
+        u_mask = mask_m[:, None] & (offs_j < WIDTH)[None, :]
+        if split == 0:  # the next projection's u starts from zero in these rows
+            offs_z = tl.arange(0, BLOCK_Z)
+            tl.store(
+                zero_ptr + rows[:, None] * stride_um + offs_z[None, :],
+                tl.zeros((BLOCK_M, BLOCK_Z), tl.float32),
+                mask=mask_m[:, None] & (offs_z < ZERO_WIDTH)[None, :],
+            )
         if rank > 0:  # 0: the adapter leaves this projection alone (expand skips it too)
-            start = tl.load(tiles_ptr + 1 + TILE_CAPACITY + tile)
-            count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
-            mask_m = offs_m < count
-            rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
-            mask_j = ((offs_j % MAX_RANK) < rank) & (offs_j < NUM_SLICES * MAX_RANK)
+            mask_j = ((offs_j % MAX_RANK) < rank) & (offs_j < WIDTH)
             a_base = a_ptr + slot * stride_as
             k_begin = split * K_PER_SPLIT
             k_end = tl.minimum(k_begin + K_PER_SPLIT, IN_FEATURES)
@@ -85,16 +99,17 @@ def _lora_shrink_kernel(
                     acc += tl.dot(x_tile, a_tile, input_precision="ieee")
                 else:
                     acc += tl.dot(x_tile, a_tile)
-            out = partials_ptr + split * stride_pk + rows[:, None] * stride_pm + offs_j[None, :]
-            tl.store(out, acc, mask=mask_m[:, None] & (offs_j < NUM_SLICES * MAX_RANK)[None, :])
+            if SPLIT_K == 1:
+                tl.store(u_ptr + u_offsets, acc, mask=u_mask)
+            else:
+                tl.atomic_add(u_ptr + u_offsets, acc, mask=u_mask)
         item += tl.num_programs(0)
 
 
 def shrink_split_k(rows: int, in_features: int) -> int:
-    """K splits: more items for decode-sized steps over wide inputs, none for prefill."""
-    if rows > SPLIT_K_MAX_ROWS:
-        return 1
-    return max(1, min(MAX_SPLIT_K, in_features // 1024))
+    """K splits: short K loops for decode-sized steps (few tiles), longer ones for prefill."""
+    per_split = DECODE_K_PER_SPLIT if rows <= SPLIT_K_MAX_ROWS else PREFILL_K_PER_SPLIT
+    return max(1, in_features // per_split)
 
 
 def persistent_grid(items: int, device: torch.device) -> tuple[int]:
@@ -110,57 +125,61 @@ def persistent_grid(items: int, device: torch.device) -> tuple[int]:
 def lora_shrink(
     x: torch.Tensor,
     a: torch.Tensor,
-    partials: torch.Tensor,
+    u: torch.Tensor,
+    zero: torch.Tensor,
     tiles: torch.Tensor,
     row_indices: torch.Tensor,
     slot_ranks: torch.Tensor,
     *,
     tile_rows: int,
     tile_bound: int,
-) -> int:
-    """partials[s, r, i * max_rank + j] = Σ over split s's K of x[r] · a[slot, i, j] for every
-    row r of every tile; returns the split count (lora_expand sums that many planes).
+) -> None:
+    """u[r, i * max_rank + j] += x[r] · a[slot, i, j] for every row r of every tile, and
+    zero[r, :] = 0 for the same rows (all its columns: the next projection may be wider).
 
-    x [T, in]; a [slots, slices, max_rank, in] contiguous; partials float32 with room for
-    splits × T × slices × max_rank; tiles int32 (KernelTiles.packed: the count, then slots,
-    starts and row counts of tile capacity each) and row_indices int32, on the device;
-    slot_ranks int32 [slots] (0: rows of that slot skipped); tile_rows: the most rows of a tile
-    (a power of two >= 16); tile_bound: at most this many tiles are in `tiles` now (the grid is
-    sized from it; the capacity while capturing).
+    x [T, in]; a [slots, slices, max_rank, in], each slot contiguous; u and zero float32
+    [>= T, >= slices * max_rank] with unit column stride, u zero in the tiles' rows; tiles int32
+    (KernelTiles.packed: the count, then slots, starts and row counts of tile capacity each)
+    and row_indices int32, on the device; slot_ranks int32 [slots] (0: rows of that slot
+    skipped); tile_rows: the most rows of a tile (a power of two >= 16); tile_bound: at most
+    this many tiles are in `tiles` now (the grid is sized from it; the capacity while
+    capturing).
     """
     rows = x.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     _, num_slices, max_rank, in_features = a.shape
-    if not a.is_contiguous() or partials.dtype != torch.float32:
-        raise ValueError("lora_shrink needs a contiguous a and float32 partials")
-    split_k = shrink_split_k(rows, in_features)
     width = num_slices * max_rank
-    if partials.numel() < split_k * rows * width:
-        raise ValueError(f"partials hold {partials.numel()} values, {split_k * rows * width} due")
-    tile_capacity = (tiles.shape[0] - 1) // 3
+    if a[0].stride() != (max_rank * in_features, in_features, 1):
+        raise ValueError("lora_shrink needs each slot of a contiguous")
+    if u.dtype != torch.float32 or u.stride() != zero.stride() or u.stride(1) != 1:
+        raise ValueError("lora_shrink needs float32 u and zero of one row-major layout")
+    if u.shape[0] < rows or u.shape[1] < width:
+        raise ValueError(f"u is {tuple(u.shape)}, {rows} rows of {width} due")
+    split_k = shrink_split_k(rows, in_features)
     block_k = 64 if width <= 128 else 32
     _lora_shrink_kernel[persistent_grid(tile_bound * split_k, x.device)](
         x,
         a,
-        partials,
+        u,
+        zero,
         tiles,
         row_indices,
         slot_ranks,
         x.stride(0),
         a.stride(0),
-        rows * width,
-        width,
+        u.stride(0),
         IN_FEATURES=in_features,
-        K_PER_SPLIT=triton.cdiv(in_features, block_k * split_k) * block_k,
-        TILE_CAPACITY=tile_capacity,
-        NUM_SLICES=num_slices,
+        K_PER_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
+        TILE_CAPACITY=(tiles.shape[0] - 1) // 3,
+        WIDTH=width,
+        ZERO_WIDTH=zero.shape[1],
         MAX_RANK=max_rank,
         SPLIT_K=split_k,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=tile_rows,
         BLOCK_J=max(16, triton.next_power_of_2(width)),
         BLOCK_K=block_k,
+        BLOCK_Z=max(16, triton.next_power_of_2(zero.shape[1])),
         num_warps=4,
     )
-    return split_k

@@ -10,7 +10,7 @@ from services.engine.lora.projections import PROJECTIONS
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.torch_ops import add_lora, add_lora_grouped
-from services.engine.lora.weights import AdapterWeights, ProjectionWeights
+from services.engine.lora.weights import AdapterWeights, ProjectionWeights, stack_layers
 from tests.lora_adapters import tiny_model_config
 
 CONFIG = tiny_model_config()
@@ -92,10 +92,17 @@ def test_mixed_segments_match_the_per_row_loop(projection: str, grouped: bool) -
         assert torch.equal(y[base_rows], base[base_rows])  # base rows untouched, bit for bit
 
 
-def test_rewriting_a_slot_leaves_nothing_of_the_previous_adapter() -> None:
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
+def test_rewriting_a_slot_leaves_nothing_of_the_previous_adapter(stacked: bool) -> None:
     slots = LoRASlots(CONFIG, max_loras=1, max_rank=8, dtype=torch.float32, device="cpu")
-    slots.write(0, random_weights("everything", 8, PROJECTIONS, 1, slots))
+    everything = random_weights("everything", 8, PROJECTIONS, 1, slots)
     small = random_weights("small", 2, ("o_proj",), 2, slots)
+    if stacked:  # the engine's host cache on a GPU: one copy per projection and factor
+        everything, small = (stack_layers(w, pin=False) for w in (everything, small))
+        assert small.stacked is not None and set(small.stacked) == {"o_proj"}
+        assert small.layers[1]["o_proj"].a.data_ptr() == small.stacked["o_proj"].a[1].data_ptr()
+    slots.write(0, everything)
+    assert slots.ranks["down_proj"] == [8]
     slots.write(0, small)
     assert slots.names == ["small"]
     assert slots.ranks["o_proj"] == [2] and slots.ranks["qkv_proj"] == [0]

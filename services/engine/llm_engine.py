@@ -361,6 +361,11 @@ class LLMEngine(OverlappedSteps):
             resident_adapters=adapters.resident() if adapters is not None else (),
             loading_adapters=adapters.loading() if adapters is not None else (),
             lora_slots=self.info.max_loras,
+            lora_adapter_capacity=(
+                getattr(adapters, "adapter_capacity", adapters.config.max_loras)
+                if adapters is not None
+                else 0
+            ),
             queued_prompt_tokens=self._queued_prompt_tokens(),
             prefill_tokens_per_s=rates.prefill_tokens_per_s,
             decode_tokens_per_s=rates.decode_tokens_per_s,

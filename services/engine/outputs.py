@@ -55,6 +55,9 @@ class EngineLoad:
     resident_adapters: tuple[str, ...] = ()
     loading_adapters: tuple[str, ...] = ()
     lora_slots: int = 0  # device slots for adapters (0: LoRA off)
+    # The most distinct adapters served in flight at once: the slots, or the host cache when
+    # the slots are time-sliced among its adapters (0: LoRA off).
+    lora_adapter_capacity: int = 0
     # For the router's queueing-delay estimate (services/engine/load_rates.py): prompt tokens
     # not yet prefilled, and the rates measured over the engine's recent busy time.
     queued_prompt_tokens: int = 0

@@ -30,6 +30,7 @@ def load_to_pb(load: EngineLoad) -> engine_pb2.EngineLoad:
         resident_adapters=list(load.resident_adapters),
         loading_adapters=list(load.loading_adapters),
         lora_slots=load.lora_slots,
+        lora_adapter_capacity=load.lora_adapter_capacity,
         queued_prompt_tokens=load.queued_prompt_tokens,
         prefill_tokens_per_s=load.prefill_tokens_per_s,
         decode_tokens_per_s=load.decode_tokens_per_s,

@@ -40,7 +40,7 @@ class EngineRequest(_message.Message):
     def __init__(self, submits: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ..., aborts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters", "lora_slots", "loading_adapters", "queued_prompt_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "finished_per_s")
+    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters", "lora_slots", "loading_adapters", "queued_prompt_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "finished_per_s", "lora_adapter_capacity")
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class EngineLoad(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     FINISHED_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     free_blocks: int
     total_blocks: int
     running: int
@@ -63,7 +64,8 @@ class EngineLoad(_message.Message):
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     finished_per_s: float
-    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., loading_adapters: _Optional[_Iterable[str]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., finished_per_s: _Optional[float] = ...) -> None: ...
+    lora_adapter_capacity: int
+    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., loading_adapters: _Optional[_Iterable[str]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., finished_per_s: _Optional[float] = ..., lora_adapter_capacity: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "usage")

@@ -471,11 +471,15 @@ def describe_engines(addresses: Sequence[str], timeout_s: float = 5.0) -> list[s
             lines.append(f"engine at {address}: no Info ({error.code().name})")
             continue
         target = f", target_step_ms {info.target_step_ms:g}" if info.target_step_ms else ""
+        lora = ""
+        if info.max_loras:
+            adapters = info.load.lora_adapter_capacity or info.max_loras
+            lora = f", LoRA {info.max_loras} device slots for {adapters} adapters in flight"
         lines.append(
             f"engine at {address}: {info.model} on {info.device} ({info.dtype}), "
             f"max_num_seqs {info.max_num_seqs}, max_num_batched_tokens "
             f"{info.max_num_batched_tokens}{target}, {info.num_blocks} KV blocks of "
-            f"{info.block_size}; {info.execution_path or info.backend}"
+            f"{info.block_size}{lora}; {info.execution_path or info.backend}"
         )
     return lines
 

@@ -5,8 +5,8 @@ engines; between the two a `DispatchPolicy` decides placement from each engine's
 capacity. `LeastLoadedPolicy` sends the next request in queue order to the engine with the
 most free capacity, and holds it in the router while no engine has room, so the queue bound,
 priorities and deadlines stay meaningful. The router's default, `LoraAwarePolicy`
-(lora_batcher.py), fits behind the same `schedule` (per-adapter queues, adapter residency, slot
-caps) without touching the servicer or the engine pool. Plain Python: no gRPC, no torch.
+(lora_batcher.py), fits behind the same `schedule` (per-adapter queues, adapter residency,
+adapter caps) without touching the servicer or the engine pool. Plain Python: no gRPC, no torch.
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ class EngineCapacity:
     inflight: int = 0  # requests placed here and not finished
     max_inflight: int = 0  # 0: max_num_seqs
     resident_adapters: tuple[str, ...] = field(default_factory=tuple)
-    # LoRA: device slots (0: not reported, no cap), adapters loading now, requests in flight
-    # here per adapter (base-model requests are not counted), and the measured time an adapter
-    # takes to become resident here (0: not measured yet).
+    # LoRA: device slots (0: not reported), the most distinct adapters served in flight at once
+    # (the slots, or the host cache when the engine time-slices its slots; 0: not reported, the
+    # slots count), adapters loading now, requests in flight here per adapter (base-model
+    # requests are not counted), and the measured time an adapter takes to become resident here
+    # (0: not measured yet).
     lora_slots: int = 0
+    lora_adapter_capacity: int = 0
     loading_adapters: tuple[str, ...] = field(default_factory=tuple)
     adapters_inflight: dict[str, int] = field(default_factory=dict)
     adapter_load_s: float = 0.0
@@ -44,6 +47,12 @@ class EngineCapacity:
     @property
     def slot_limit(self) -> int:
         return self.max_inflight or self.max_num_seqs
+
+    @property
+    def adapter_cap(self) -> int:
+        """The most distinct adapters in flight here: the reported capacity, else (an engine
+        that predates it) the device slots; 0: no cap."""
+        return self.lora_adapter_capacity if self.lora_adapter_capacity > 0 else self.lora_slots
 
     @property
     def free_slots(self) -> int:
@@ -90,10 +99,16 @@ class EngineCapacity:
         )
 
     def note_adapters(
-        self, resident: tuple[str, ...], loading: tuple[str, ...], lora_slots: int, now: float
+        self,
+        resident: tuple[str, ...],
+        loading: tuple[str, ...],
+        lora_slots: int,
+        now: float,
+        adapter_capacity: int = 0,
     ) -> None:
         """Take an engine's adapter report; time each adapter from loading to resident."""
         self.lora_slots = lora_slots
+        self.lora_adapter_capacity = adapter_capacity
         for adapter in loading:
             self._loading_since.setdefault(adapter, now)
         for adapter in list(self._loading_since):

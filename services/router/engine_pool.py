@@ -146,17 +146,22 @@ class EngineConnection:
             tuple(info.load.loading_adapters),
             info.max_loras or info.load.lora_slots,
             time.monotonic(),
+            info.load.lora_adapter_capacity,
         )
         self._submits.clear()
         self._aborts.clear()
         capacity.ready = True
+        lora = ""
+        if capacity.lora_slots:
+            lora = f" lora_slots={capacity.lora_slots} lora_adapter_capacity={capacity.adapter_cap}"
         log.info(
-            "engine %s ready: model=%s max_model_len=%d blocks=%d max_num_seqs=%d",
+            "engine %s ready: model=%s max_model_len=%d blocks=%d max_num_seqs=%d%s",
             self.address,
             info.model,
             info.max_model_len,
             info.num_blocks,
             info.max_num_seqs,
+            lora,
         )
         self._on_ready()
 
@@ -191,6 +196,7 @@ class EngineConnection:
                     tuple(load.loading_adapters),
                     load.lora_slots,
                     time.monotonic(),
+                    load.lora_adapter_capacity,
                 )
             on_step(engine_id, step)
 

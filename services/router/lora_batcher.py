@@ -3,30 +3,36 @@
 Every adapter (and the base model) has its own queue in the `AdmissionQueue`; each `schedule`
 call serves the queues' heads in queue order (priority, then arrival):
 - A request goes to an engine that can take it (free sequence slot, KV room) and that admits its
-  adapter: the distinct adapters in flight on an engine never exceed the engine's LoRA slots
-  (base-model requests don't count; an engine that reports no slots is not capped). Among those
-  engines it prefers one where the adapter is warm (resident, loading, or in flight), so an
-  adapter's requests batch together on engines that hold it.
+  adapter: the distinct adapters in flight on an engine never exceed the engine's adapter
+  capacity (`EngineCapacity.adapter_cap`; base-model requests don't count; an engine that
+  reports neither capacity nor slots is not capped). The capacity is the engine's
+  `lora_adapter_capacity`: its device slots, or, when the engine time-slices its slots, its
+  host cache of adapters, among which the slots rotate every quantum. An engine that predates
+  the field counts its slots. Among the engines that admit it, a request prefers one where its
+  adapter is warm (resident in a device slot, loading, or in flight), so an adapter's requests
+  batch together on engines that hold it.
 - Swap cost against waiting: when the adapter is warm only on engines that are busy now, the
   request waits for them up to the cost of loading it elsewhere (the engine's measured load time,
   else `swap_cost_s`), then pays the load (the ski-rental rule: never worse than twice the
   better of the two choices).
-- A head that only lacks an adapter slot does not block other adapters. A head that no engine
-  can take at all (slots or KV) stops dispatch, as in `LeastLoadedPolicy`, so a long prompt is
-  never overtaken forever.
-- Forced exchange: a head that has waited `max_wait_s` without an adapter slot reserves an engine
-  (the one with the fewest reservations). For each reservation that no free slot covers, one of
-  the engine's in-flight adapters that has held its slot for `max_wait_s` or more (the longest
-  holder) becomes a victim: it gets no new requests there, so it drains and frees its slot,
-  which only a reserved adapter may take; then all the reserved adapter's queued requests go at
-  once and the reservation ends. The other adapters keep being served, and a slot changes hands
-  by force at most once per `max_wait_s`, so exchanges cannot eat the throughput. An engine holds
-  at most as many reservations as it has slots; starving adapters reserve in arrival order.
+- A head that only lacks room in an adapter capacity does not block other adapters. A head that
+  no engine can take at all (sequence slots or KV) stops dispatch, as in `LeastLoadedPolicy`, so
+  a long prompt is never overtaken forever.
+- Forced exchange: a head that has waited `max_wait_s` without room in any engine's adapter
+  capacity reserves an engine (the one with the fewest reservations). For each reservation that
+  no free place in the capacity covers, one of the engine's in-flight adapters that has held its
+  place for `max_wait_s` or more (the longest holder) becomes a victim: it gets no new requests
+  there, so it drains and frees its place, which only a reserved adapter may take; then all the
+  reserved adapter's queued requests go at once and the reservation ends. The other adapters
+  keep being served, and a place changes hands by force at most once per `max_wait_s`, so
+  exchanges cannot eat the throughput. An engine holds at most as many reservations as its
+  capacity; starving adapters reserve in arrival order.
 
-Fairness bound (docs/lora.md): with E engines of S slots each and N adapters, a request that
-waits only for an adapter slot is dispatched within
-`max_wait_s + ceil(N / (E*S)) * (max_wait_s + T_load + T_service)` of arriving, where T_load is
-an adapter's load time and T_service the longest time a placed request stays on its engine.
+Fairness bound (docs/lora.md): with E engines of capacity C each (C = S, the slots, without
+time-slicing) and N adapters, a request that waits only for room in an adapter capacity is
+dispatched within `max_wait_s + ceil(N / (E*C)) * (max_wait_s + T_load + T_service)` of
+arriving, where T_load is an adapter's load time and T_service the longest time a placed request
+stays on its engine (with time-slicing, paused turns included).
 Plain Python: no gRPC, no torch; tested in milliseconds with a simulated clock.
 """
 
@@ -50,17 +56,19 @@ def fairness_bound_s(
     max_wait_s: float,
     adapters: int,
     engines: int,
-    slots_per_engine: int,
+    capacity_per_engine: int,
     load_s: float,
     service_s: float,
 ) -> float:
-    """The longest a request waits in the router's queue (module docstring; docs/lora.md)."""
-    rounds = math.ceil(adapters / max(engines * slots_per_engine, 1))
+    """The longest a request waits in the router's queue (module docstring; docs/lora.md);
+    `capacity_per_engine` is an engine's adapter capacity (its slots without time-slicing)."""
+    rounds = math.ceil(adapters / max(engines * capacity_per_engine, 1))
     return max_wait_s + rounds * (max_wait_s + load_s + service_s)
 
 
 class LoraAwarePolicy:
-    """Per-adapter queues, residency-first placement, slot caps, forced exchanges (module doc)."""
+    """Per-adapter queues, residency-first placement, adapter caps, forced exchanges (module
+    doc)."""
 
     def __init__(
         self,
@@ -105,18 +113,20 @@ class LoraAwarePolicy:
         return {adapter for adapter, eid in self.exchanges.items() if eid == engine_id}
 
     def admits(self, engine: EngineCapacity, adapter: str) -> bool:
-        """Whether a request of `adapter` may be placed on `engine` as far as slots go."""
-        if not adapter or engine.lora_slots <= 0:
+        """Whether a request of `adapter` may be placed on `engine` as far as its adapter
+        capacity goes."""
+        cap = engine.adapter_cap
+        if not adapter or cap <= 0:
             return True
         if adapter in self.victims.get(engine.engine_id, ()):
-            return False  # draining to free its slot for a starving adapter
+            return False  # draining to free its place for a starving adapter
         if engine.adapters_inflight.get(adapter):
             return True
-        free_slots = engine.lora_slots - len(engine.adapters_inflight)
+        free = cap - len(engine.adapters_inflight)
         reserved = self.reserved_on(engine.engine_id)
-        if adapter not in reserved and free_slots <= len(reserved):
-            return False  # the free slots are promised to starving adapters
-        return free_slots > 0
+        if adapter not in reserved and free <= len(reserved):
+            return False  # the free places are promised to starving adapters
+        return free > 0
 
     def swap_cost(self, engine: EngineCapacity) -> float:
         return engine.adapter_load_s if engine.adapter_load_s > 0 else self.swap_cost_s
@@ -177,14 +187,14 @@ class LoraAwarePolicy:
             if adapter in self.exchanges:
                 continue
             if any(self.admits(e, adapter) for e in ready.values()):
-                continue  # it has a slot somewhere; it only waits for sequence or KV room
+                continue  # it has room somewhere; it only waits for sequence or KV room
             candidates = [
                 e
                 for e in ready.values()
-                if e.lora_slots > 0 and len(self.reserved_on(e.engine_id)) < e.lora_slots
+                if e.adapter_cap > 0 and len(self.reserved_on(e.engine_id)) < e.adapter_cap
             ]
             if not candidates:
-                continue  # every slot is promised; it reserves in a later round
+                continue  # every place is promised; it reserves in a later round
 
             def draining_cost(engine: EngineCapacity) -> tuple:
                 reserved = len(self.reserved_on(engine.engine_id))
@@ -198,11 +208,11 @@ class LoraAwarePolicy:
                 del self.victims[engine_id]
 
     def _choose_victims(self, engine: EngineCapacity, now: float) -> None:
-        """Enough long-held adapters to drain that every reservation here gets a slot."""
+        """Enough long-held adapters to drain that every reservation here gets a place."""
         engine_id = engine.engine_id
         reserved = self.reserved_on(engine_id)
         inflight = engine.adapters_inflight
-        needed = len(reserved) - max(engine.lora_slots - len(inflight), 0)
+        needed = len(reserved) - max(engine.adapter_cap - len(inflight), 0)
         victims = {a for a in self.victims.get(engine_id, ()) if a in inflight}
         while len(victims) > max(needed, 0):
             victims.remove(max(victims, key=lambda a: (inflight[a], a)))

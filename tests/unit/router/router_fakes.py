@@ -43,11 +43,13 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.sessions = 0
         # LoRA: InspectAdapter answers from `adapter_dirs` (path -> AdapterSpec, or a
         # (StatusCode, details) refusal); submits' adapter specs are kept; the load reports
-        # `lora_slots` and the adapters of live requests as resident.
+        # `lora_slots`, `lora_adapter_capacity`, and the adapters of live requests as resident
+        # (the first `lora_slots` of them by name: the others wait for a slot, time-sliced).
         self.adapter_dirs: dict[str, object] = {}
         self.inspected: list[tuple[str, str]] = []
         self.submitted_specs: dict[str, engine_pb2.SubmitRequest] = {}
         self.lora_slots = 0
+        self.lora_adapter_capacity = 0
 
     async def Info(self, request, context):  # noqa: N802
         return engine_pb2.EngineInfo(
@@ -128,9 +130,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 step.load.running = len(self.live)
                 if self.lora_slots:
                     step.load.lora_slots = self.lora_slots
+                    step.load.lora_adapter_capacity = self.lora_adapter_capacity
                     specs = self.submitted_specs
                     resident = {specs[r].adapter for r in self.live if r in specs}
-                    step.load.resident_adapters.extend(sorted(resident))
+                    step.load.resident_adapters.extend(sorted(resident)[: self.lora_slots])
                 yield step
         finally:
             reader.cancel()

@@ -188,3 +188,34 @@ def test_residency_and_queue_depth_are_listed_and_exported() -> None:
         assert gauge("sluice_router_adapter_queue_depth_requests", "legal") == 0
 
     run_stack(check, engine=engine)
+
+
+def test_a_time_sliced_engine_takes_adapters_past_its_slots_and_residency_stays_slots() -> None:
+    engine = engine_with_adapters(step_s=0.02, max_num_seqs=4)
+    engine.lora_slots = 1
+    engine.lora_adapter_capacity = 2
+
+    def gauge(name: str, adapter: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"adapter": adapter})
+
+    async def check(stack: Stack) -> None:
+        await add(stack, "legal", "legal")
+        await add(stack, "support", "support/v1")
+        capacity = stack.core.pool.ready_connections()[0].capacity
+        await eventually(lambda: capacity.lora_slots == 1, "the first load report")
+        assert capacity.adapter_cap == 2
+        calls = [
+            asyncio.ensure_future(stack.collect(adapter_request(name, max_tokens=40)))
+            for name in ("legal", "support")
+        ]
+        await eventually(lambda: len(capacity.adapters_inflight) == 2, "both in flight")
+        await eventually(
+            lambda: gauge("sluice_router_adapter_resident_engines", "legal") == 1, "resident"
+        )
+        # Both adapters are on the engine; only the one in its device slot counts as resident.
+        assert gauge("sluice_router_adapter_resident_engines", "support") == 0
+        for name in ("legal", "support"):
+            assert gauge("sluice_router_adapter_queue_depth_requests", name) == 0
+        await asyncio.gather(*calls)
+
+    run_stack(check, engine=engine)

@@ -1,5 +1,6 @@
-"""LoRA-aware placement: residency first, slot caps, no blocking across adapters, swap cost
-against waiting, forced exchanges, and the fairness bound under a Zipf mix (simulated clock)."""
+"""LoRA-aware placement: residency first, adapter caps (the engine's adapter capacity, else its
+slots), no blocking across adapters, swap cost against waiting, forced exchanges, and the fairness
+bound under a Zipf mix (simulated clock)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ class Clock:
         return self.now
 
 
-def engine(name: str, *, slots: int = 2, seqs: int = 8, resident=()) -> EngineCapacity:
+def engine(
+    name: str, *, slots: int = 2, capacity: int = 0, seqs: int = 8, resident=()
+) -> EngineCapacity:
     return EngineCapacity(
         engine_id=name,
         ready=True,
@@ -42,6 +45,7 @@ def engine(name: str, *, slots: int = 2, seqs: int = 8, resident=()) -> EngineCa
         total_blocks=1000,
         free_blocks=1000,
         lora_slots=slots,
+        lora_adapter_capacity=capacity,
         resident_adapters=tuple(resident),
     )
 
@@ -89,6 +93,33 @@ def test_distinct_adapters_in_flight_never_exceed_the_slots() -> None:
     # c and d wait without blocking the later requests of a and b.
     assert [a for a, _ in placed(placements)] == ["a", "b", "a", "b"]
     assert queue.depth_by_adapter() == {"c": 2, "d": 1}
+
+
+def test_an_engine_that_time_slices_its_slots_takes_adapters_up_to_its_capacity() -> None:
+    sliced = engine("e", slots=2, capacity=8, seqs=32)
+    names = [f"a{i}" for i in range(9)]
+    queue = queue_of(*(Item(name) for name in names))
+    placements = LoraAwarePolicy().schedule(queue, [sliced])
+    assert [a for a, _ in placed(placements)] == names[:8]  # 8 distinct adapters at once
+    assert sorted(sliced.adapters_inflight) == names[:8]
+    assert queue.depth_by_adapter() == {"a8": 1}  # the ninth waits for room in the capacity
+
+
+def test_an_engine_that_reports_no_capacity_is_capped_at_its_slots() -> None:
+    old = engine("e", slots=2, capacity=0, seqs=16)
+    assert old.adapter_cap == 2
+    queue = queue_of(*(Item(name) for name in "abc"))
+    placements = LoraAwarePolicy().schedule(queue, [old])
+    assert [a for a, _ in placed(placements)] == ["a", "b"]
+    assert queue.depth_by_adapter() == {"c": 1}
+
+
+def test_the_capacity_comes_with_the_engine_adapter_report() -> None:
+    capacity = engine("e", slots=0)
+    capacity.note_adapters(("a",), (), 2, now=1.0, adapter_capacity=8)
+    assert (capacity.lora_slots, capacity.lora_adapter_capacity, capacity.adapter_cap) == (2, 8, 8)
+    capacity.note_adapters(("a",), (), 2, now=1.1)  # an engine from before the capacity
+    assert capacity.adapter_cap == 2
 
 
 def test_base_model_requests_take_no_slot_and_pass_a_waiting_adapter() -> None:
@@ -178,6 +209,22 @@ def test_a_free_slot_goes_to_the_starving_adapter_first() -> None:
     assert queue.depth_by_adapter() == {"urgent": 1}
 
 
+def test_no_exchange_while_the_capacity_has_room_though_the_slots_are_taken() -> None:
+    tick = Clock()
+    sliced = engine("e", slots=2, capacity=3, seqs=32)
+    policy = LoraAwarePolicy(max_wait_s=1.0, clock=tick)
+    queue = queue_of(Item("a"), Item("b"))
+    assert len(policy.schedule(queue, [sliced])) == 2  # a and b fill the device slots
+    tick.now = 1.6
+    queue.admit(Item("c", arrival=0.0))  # old enough to starve, but there is room for it
+    assert placed(policy.schedule(queue, [sliced])) == [("c", "e")]
+    assert policy.exchanges == {} and policy.victims == {}
+    tick.now = 3.0
+    queue.admit(Item("d", arrival=1.0))  # now the capacity is exhausted: d reserves
+    assert policy.schedule(queue, [sliced]) == []
+    assert policy.exchanges == {"d": "e"} and len(policy.victims["e"]) == 1
+
+
 @pytest.mark.parametrize("rate_per_s", [10.0, 20.0])
 def test_zipf_mix_on_two_slots_waits_within_the_fairness_bound(rate_per_s: float) -> None:
     """8 adapters, 2 slots, 1 engine, Zipf(1.1) mix at a load the slots can barely carry."""
@@ -198,7 +245,7 @@ def test_zipf_mix_on_two_slots_waits_within_the_fairness_bound(rate_per_s: float
         max_wait_s=max_wait_s,
         adapters=8,
         engines=1,
-        slots_per_engine=2,
+        capacity_per_engine=2,
         load_s=load_s,
         service_s=service_s[1],
     )
@@ -215,6 +262,6 @@ def test_without_exchanges_rare_adapters_starve_past_the_bound() -> None:
         policy, rate_per_s=20.0, duration_s=60.0, service_s=(0.5, 1.5), max_num_seqs=32
     )
     bound = fairness_bound_s(
-        max_wait_s=1.0, adapters=8, engines=1, slots_per_engine=2, load_s=0.02, service_s=1.5
+        max_wait_s=1.0, adapters=8, engines=1, capacity_per_engine=2, load_s=0.02, service_s=1.5
     )
     assert max(result.waits) > bound

@@ -18,6 +18,7 @@ from services.engine.lora.config import (
     DEFAULT_MAX_CPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
     DEFAULT_MAX_LORAS,
+    DEFAULT_SLOT_QUANTUM_MS,
     LoRAConfig,
 )
 
@@ -112,6 +113,13 @@ class EngineConfig:
     adapter_root: str | None = field(
         None,
         help="directory every registered LoRA adapter path must resolve under (unset: no adapters)",
+    )
+    lora_slot_quantum_ms: float = field(
+        DEFAULT_SLOT_QUANTUM_MS,
+        help="time-slice LoRA slots: when an adapter in host memory waits for a slot that "
+        "running requests have held this long, those requests pause (KV kept) and the slot "
+        "changes hands, so up to max_cpu_loras adapters are served at once; 0 = a request "
+        "keeps its adapter's slot to the end, and at most max_loras adapters are in flight",
     )
 
     def __post_init__(self) -> None:

@@ -361,11 +361,7 @@ class LLMEngine(OverlappedSteps):
             resident_adapters=adapters.resident() if adapters is not None else (),
             loading_adapters=adapters.loading() if adapters is not None else (),
             lora_slots=self.info.max_loras,
-            lora_adapter_capacity=(
-                getattr(adapters, "adapter_capacity", adapters.config.max_loras)
-                if adapters is not None
-                else 0
-            ),
+            lora_adapter_capacity=adapters.adapter_capacity if adapters is not None else 0,
             queued_prompt_tokens=self._queued_prompt_tokens(),
             prefill_tokens_per_s=rates.prefill_tokens_per_s,
             decode_tokens_per_s=rates.decode_tokens_per_s,
@@ -442,7 +438,10 @@ class LLMEngine(OverlappedSteps):
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 self._idle_for_adapters = (
-                    not deltas and self.adapters is not None and bool(self._requests)
+                    not deltas
+                    and self.adapters is not None
+                    and bool(self._requests)
+                    and not self.scheduler.paused
                 )
                 return StepOutput(deltas, self.load(), time.perf_counter() - started, 0)
             if self._launch_greedy is None or not self._plain_greedy(plan.scheduled):
@@ -460,7 +459,7 @@ class LLMEngine(OverlappedSteps):
             max_model_len=self.info.max_model_len,
             plain_greedy=lambda seq: self._plain_greedy([(seq, 1)]),
         ):
-            ahead = self._launch(self.scheduler.schedule(), deltas, continuation=True)
+            ahead = self._launch(self.scheduler.schedule(rotate=False), deltas, continuation=True)
         if not self._collect(launched, deltas):
             ahead = self._fail_step(ahead, deltas, "its previous step failed")
         if ahead is not None and not ahead.all_finished:

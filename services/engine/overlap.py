@@ -69,6 +69,8 @@ def can_schedule_ahead(
         return False
     if scheduler.waiting and count < config.max_num_seqs:
         return False  # a waiting request could be admitted: the plain path decides
+    if scheduler.paused:
+        return False  # paused sequences may resume or others pause: the plain path decides
     sampled = {id(seq) for seq in launched.to_sample}
     new_blocks = 0
     for seq in running:

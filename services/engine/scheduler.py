@@ -9,7 +9,11 @@ the lowest priority (highest value, latest arrival) is preempted by recompute: i
 freed and it waits again, to be recomputed from its prompt plus the tokens it already generated.
 A request that could never fit (more blocks than the whole cache) is refused at `add`.
 With LoRA adapters, a waiting sequence is admitted only once its adapter has a device slot
-(`AdapterSlots.acquire`); until then it stays waiting and sequences behind it go ahead.
+(`AdapterSlots.acquire`); until then it stays waiting and sequences behind it go ahead. With
+slot time-slicing, when an adapter waits for a slot that running sequences have held for a
+quantum (`AdapterSlots.slot_to_yield`), those sequences are paused: out of the batch, slot
+unpinned, KV kept; they resume (after this step's admissions) once their adapter has a slot
+again, and are the first preempted when KV blocks run out.
 With a step-time target (a `PrefillBudget`, services/engine/step_budget.py), the prompt tokens
 of a step (running chunked prefills and admissions together) are further capped by what the
 budget allows beside the step's decodes; without one, only the token budget counts.
@@ -64,6 +68,10 @@ class AdapterSlots(Protocol):
         """`seq` is finished or aborted: unpin its slot and forget its adapter use."""
         ...
 
+    def slot_to_yield(self) -> int | None:
+        """A slot whose running sequences should pause now, or None."""
+        ...
+
 
 class PrefillBudget(Protocol):
     """A step-time target as the scheduler sees it (services/engine/step_budget.py)."""
@@ -98,7 +106,9 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []  # heap by rank
         self.running: list[Sequence] = []
+        self.paused: list[Sequence] = []  # running, KV kept, out of the batch: no adapter slot
         self.num_preemptions = 0
+        self.num_pauses = 0
         self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
 
     # ---- requests -------------------------------------------------------------------------
@@ -120,7 +130,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
-        if seq.status is SequenceStatus.RUNNING:
+        if seq in self.paused:
+            self.paused.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
@@ -136,15 +148,20 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """Running sequences, paused ones included (they hold KV and will go on)."""
+        return len(self.running) + len(self.paused)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.paused)
 
     # ---- one step -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, rotate: bool = True) -> SchedulerOutput:
+        """The next step. `rotate=False` (a step planned before the last one's tokens are
+        read) pauses and resumes nothing: the running set stays as it is."""
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput(batch=ScheduledBatch())
+        if rotate and self.adapter_slots is not None:
+            self._pause_yielding_slot()
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
 
@@ -182,6 +199,9 @@ class Scheduler:
             # Most steps need no new block (a decode inside its last block): skip the manager.
             if needed_slots > len(seq.block_table) * slots_per_block:
                 while not self.block_manager.allocate(seq, needed_slots):
+                    if self.paused:  # paused sequences give their blocks back first
+                        self._preempt(max(self.paused, key=_rank), output)
+                        continue
                     victim = max([*candidates[index:], seq], key=_rank)
                     if victim is not seq:
                         candidates.remove(victim)
@@ -208,7 +228,9 @@ class Scheduler:
                 if prefill_left is None:
                     prefill_left = self._prefill_left(len(decodes), budget)
                 budget = min(budget, prefill_left)
-            self._admit(budget, prefills)
+            self._admit(budget, prefills, output)
+        if rotate and self.paused:
+            self._resume_paused()
 
         # One-token steps of sequences with cached tokens (decodes, and prompts whose prefix
         # came from the cache or a previous chunk) go first: the runner relies on that order.
@@ -236,10 +258,14 @@ class Scheduler:
         """Prompt tokens this step may take: the step-time target's share, within `budget`."""
         return min(budget, self.prefill_budget.prefill_tokens(decode_rows))
 
-    def _admit(self, budget: int, prefills: list[tuple[Sequence, int]]) -> None:
+    def _admit(
+        self, budget: int, prefills: list[tuple[Sequence, int]], output: SchedulerOutput
+    ) -> None:
         manager = self.block_manager
         adapters = self.adapter_slots
-        skipped: list[tuple[tuple[int, int], int, Sequence]] = []  # adapter loading or no slot
+        # Adapter loading or no slot, and paused sequences preempted for room: queued again
+        # once the loop is done (the head must stay the sequence being admitted).
+        skipped: list[tuple[tuple[int, int], int, Sequence]] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][2]
             if adapters is not None and seq.adapter is not None and not adapters.acquire(seq):
@@ -253,6 +279,10 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             needed = manager.num_new_blocks(seq, seq.num_computed_tokens + num_tokens)
             reserve = self._watermark_blocks if self.running else 0
+            while self.paused and needed + reserve > manager.num_free_blocks:
+                victim = max(self.paused, key=_rank)  # paused sequences' KV goes first
+                self._preempt(victim, output, requeue=False)
+                skipped.append((_rank(victim), victim.seq_id, victim))  # queued after the loop
             if needed + reserve > manager.num_free_blocks or not manager.allocate(
                 seq, seq.num_computed_tokens + num_tokens
             ):
@@ -272,13 +302,39 @@ class Scheduler:
         for entry in skipped:
             heapq.heappush(self.waiting, entry)
 
-    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
-        if seq in self.running:
+    def _pause_yielding_slot(self) -> None:
+        """Pause the running sequences of the slot that must change hands, if one must."""
+        slot = self.adapter_slots.slot_to_yield()
+        if slot is None:
+            return
+        for seq in [seq for seq in self.running if seq.adapter_slot == slot]:
+            self.adapter_slots.release(seq)
+            self.running.remove(seq)
+            self.paused.append(seq)
+            self.num_pauses += 1
+
+    def _resume_paused(self) -> None:
+        """Paused sequences whose adapter can have a slot again run from the next step on."""
+        adapters = self.adapter_slots
+        room = self.config.max_num_seqs - len(self.running)
+        for seq in sorted(self.paused, key=_rank):
+            if room <= 0:
+                break
+            if adapters is None or adapters.acquire(seq):
+                self.paused.remove(seq)
+                self.running.append(seq)
+                room -= 1
+
+    def _preempt(self, seq: Sequence, output: SchedulerOutput, *, requeue: bool = True) -> None:
+        if seq in self.paused:
+            self.paused.remove(seq)
+        elif seq in self.running:
             self.running.remove(seq)
         if self.adapter_slots is not None:
             self.adapter_slots.release(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        heapq.heappush(self.waiting, (_rank(seq), seq.seq_id, seq))
+        if requeue:
+            heapq.heappush(self.waiting, (_rank(seq), seq.seq_id, seq))
         output.preempted.append(seq)
         self.num_preemptions += 1

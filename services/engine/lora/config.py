@@ -1,7 +1,8 @@
 """The engine's LoRA settings: one frozen, validated dataclass.
 
-The same four fields sit in EngineConfig (flags `--max-loras`, `--max-cpu-loras`,
-`--max-lora-rank`, `--adapter-root` and their `SLUICE_*` variables, with the help text there);
+The same fields sit in EngineConfig (flags `--max-loras`, `--max-cpu-loras`, `--max-lora-rank`,
+`--adapter-root`, `--lora-slot-quantum-ms` and their `SLUICE_*` variables, with the help text
+there);
 `LoRAConfig.from_engine_config` takes them from it and validates them. Adapters are off until
 `adapter_root` is set: without it no slot memory is allocated and every adapter name is unknown.
 """
@@ -16,6 +17,7 @@ from services.common.errors import InvalidArgumentError
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_CPU_LORAS = 16
 DEFAULT_MAX_LORA_RANK = 64
+DEFAULT_SLOT_QUANTUM_MS = 500.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class LoRAConfig:
     max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     adapter_root: str | None = None
+    slot_quantum_ms: float = DEFAULT_SLOT_QUANTUM_MS  # 0: no time-slicing of device slots
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):
@@ -37,6 +40,9 @@ class LoRAConfig:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                 f"({self.max_loras})"
             )
+        quantum = self.slot_quantum_ms
+        if isinstance(quantum, bool) or not isinstance(quantum, int | float) or quantum < 0:
+            raise InvalidArgumentError(f"slot_quantum_ms must be >= 0, got {quantum!r}")
         if self.adapter_root is not None and (
             not isinstance(self.adapter_root, str) or not self.adapter_root.strip()
         ):
@@ -54,4 +60,6 @@ class LoRAConfig:
             for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "adapter_root")
             if hasattr(config, name)
         }
+        if hasattr(config, "lora_slot_quantum_ms"):
+            values["slot_quantum_ms"] = config.lora_slot_quantum_ms
         return cls(**values)

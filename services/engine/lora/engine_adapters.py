@@ -75,7 +75,15 @@ class EngineAdapters:
             executor=executor,
             on_load_done=on_load_done,
         )
-        self.gate = AdapterGate(self.manager)
+        self.gate = AdapterGate(self.manager, slot_quantum_s=config.slot_quantum_ms / 1000.0)
+
+    @property
+    def adapter_capacity(self) -> int:
+        """The most distinct adapters served in flight at once: the host cache when slots are
+        time-sliced (requests of adapters without a slot pause and take turns), else the
+        device slots (a request holds its adapter's slot until it ends)."""
+        config = self.config
+        return config.max_cpu_loras if config.slot_quantum_ms > 0 else config.max_loras
 
     def inspect(self, name: str, path: str) -> AdapterRecord:
         """Validate an adapter completely (thread-safe; keep it off the step thread)."""

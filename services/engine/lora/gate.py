@@ -5,7 +5,9 @@ adapter, before anything is queued) and `drop(seq)` when it is gone; `poll()` on
 (background loads land; sequences whose adapter failed to load come back with the error). The
 scheduler calls `acquire(seq)` before admitting a waiting sequence — False while its adapter is
 loading or no slot can be had, so the sequence stays waiting and others go ahead — and
-`release(seq)` when it preempts or finishes one; `seq.adapter_slot` is the slot it runs with.
+`release(seq)` when it preempts, pauses or finishes one; `seq.adapter_slot` is the slot it runs
+with. With slot time-slicing (`slot_quantum_s` > 0), `slot_to_yield()` names a slot whose
+running sequences the scheduler pauses so that a waiting adapter gets the slot.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from services.engine.sequence import Sequence
 class AdapterGate:
     """Which registered adapter each live sequence uses, and the slot it holds while it runs."""
 
-    def __init__(self, manager: AdapterManager) -> None:
+    def __init__(self, manager: AdapterManager, *, slot_quantum_s: float = 0.0) -> None:
         self.manager = manager
+        self.slot_quantum_s = slot_quantum_s  # 0: running sequences keep their slot to the end
         self._records: dict[int, AdapterRecord] = {}
 
     def hold(self, seq: Sequence) -> AdapterRecord | None:
@@ -53,6 +56,13 @@ class AdapterGate:
         if seq.adapter_slot != BASE_SLOT:
             self.manager.release(seq.adapter_slot)
             seq.adapter_slot = BASE_SLOT
+
+    def slot_to_yield(self) -> int | None:
+        """With time-slicing, the slot whose running sequences should pause now (they keep
+        their KV and resume once their adapter has a slot again); None: none should."""
+        if self.slot_quantum_s <= 0:
+            return None
+        return self.manager.slot_to_yield(self.slot_quantum_s)
 
     def drop(self, seq: Sequence) -> None:
         """The request is finished or aborted: release its slot and its demand."""

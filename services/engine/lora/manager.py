@@ -11,7 +11,9 @@ thread, between forward passes. The engine drives it:
   requests end with that error), and loads start while the host cache has room.
 - `ready(record)` tells the scheduler whether a waiting request can be admitted; `acquire`
   gives a running sequence a slot (pinned: never evicted while pinned), `release` unpins it on
-  finish or preemption, `drop` when the request is gone.
+  finish, preemption or pause, `drop` when the request is gone.
+- `slot_to_yield(quantum_s)`: with slot time-slicing, the slot whose running sequences the
+  scheduler pauses so that an adapter waiting for a slot gets it (services/engine/scheduler.py).
 
 Host cache (`max_cpu_loras`) and slots (`max_loras`) are LRU; the host cache evicts adapters
 nobody waits for first, and never one that a waiting request needs and that is in no slot.
@@ -22,6 +24,7 @@ and requests already running keep the files they started with.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -54,6 +57,7 @@ class AdapterManager:
         write_slot: Callable[[int, Any], None],
         executor: Executor | None = None,
         on_load_done: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`on_load_done` is called on the loader thread when a load ends (success or not):
         an engine loop idle only because of loads in flight can wake on it and poll."""
@@ -74,6 +78,8 @@ class AdapterManager:
         self._slots = [_Slot() for _ in range(max_loras)]
         self._slot_order: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
         self._draining: int | None = None  # a slot taking no new pins, for a waiting adapter
+        self._draining_since_s = 0.0
+        self._clock = clock
         self.num_loads = 0
         self.num_slot_writes = 0
 
@@ -134,8 +140,9 @@ class AdapterManager:
         """Pin a device slot holding `record` (writing it if needed); None: none can be had now.
 
         When every slot is pinned, the least recently acquired one starts draining: it takes
-        no new pins, so once its running sequences end the waiting adapter gets it (no
-        adapter waits forever behind a steady stream of requests for resident ones).
+        no new pins, so once its running sequences end (or are paused: `slot_to_yield`) the
+        waiting adapter gets it (no adapter waits forever behind a steady stream of requests
+        for resident ones).
         """
         slot = self._slot_of(record.key)
         if slot is not None and slot == self._draining:
@@ -148,6 +155,7 @@ class AdapterManager:
             if slot is None:
                 if self._draining is None:
                     self._draining = next(iter(self._slot_order))
+                    self._draining_since_s = self._clock()
                 return None
             self._write_slot(slot, weights)
             self.num_slot_writes += 1
@@ -241,6 +249,17 @@ class AdapterManager:
     @property
     def draining_slot(self) -> int | None:
         return self._draining
+
+    def slot_to_yield(self, quantum_s: float) -> int | None:
+        """The draining slot, once it has drained for `quantum_s` and its running sequences
+        still pin it while an adapter in memory waits for a slot: the engine pauses those
+        sequences (their KV stays) so the slot changes hands; None otherwise."""
+        slot = self._draining
+        if slot is None or self._slots[slot].pins == 0:
+            return None
+        if self._clock() - self._draining_since_s < quantum_s or not self._blocked():
+            return None
+        return slot
 
     def _slot_of(self, key: Key) -> int | None:
         for index, entry in enumerate(self._slots):

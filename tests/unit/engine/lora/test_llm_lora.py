@@ -133,6 +133,24 @@ def test_eight_adapters_on_two_slots_stay_correct_under_eviction(eight) -> None:
     llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("quantum_ms", [0.0, 0.001])
+def test_time_sliced_slots_pause_and_resume_without_changing_tokens(eight, quantum_ms) -> None:
+    directory, prompts, references = eight
+    llm = _llm(directory, max_loras=2, max_cpu_loras=8, lora_slot_quantum_ms=quantum_ms)
+    for name in EIGHT_ADAPTERS:
+        llm.add_adapter(name)
+    engine = llm.engine
+    assert engine.load().lora_adapter_capacity == (8 if quantum_ms else 2)
+    _check_all_in_flight(llm, [None, *EIGHT_ADAPTERS], prompts, references)
+    scheduler = engine.scheduler
+    if quantum_ms:  # slots changed hands mid-request: paused sequences resumed with their KV
+        assert scheduler.num_pauses > 0 and scheduler.num_preemptions == 0
+    else:
+        assert scheduler.num_pauses == 0
+    assert not scheduler.paused and engine.adapters.gate.num_held == 0
+    engine.shutdown()
+
+
 def test_new_files_under_a_name_never_reuse_the_old_kv(eight, tmp_path: Path) -> None:
     directory, prompts, references = eight
     root = tmp_path / "adapters"

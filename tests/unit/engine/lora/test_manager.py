@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -37,7 +38,9 @@ def record(name: str, sha256: str = "c") -> AdapterRecord:
     return AdapterRecord(name=name, path=name, sha256=sha256, rank=8, target_modules=("q_proj",))
 
 
-def make(max_loras: int = 2, max_cpu_loras: int = 3, broken: tuple[str, ...] = ()):
+def make(
+    max_loras: int = 2, max_cpu_loras: int = 3, broken: tuple[str, ...] = (), clock=time.monotonic
+):
     executor = ManualExecutor()
     written: list[tuple[int, str]] = []
 
@@ -52,6 +55,7 @@ def make(max_loras: int = 2, max_cpu_loras: int = 3, broken: tuple[str, ...] = (
         load=load,
         write_slot=lambda slot, weights: written.append((slot, weights)),
         executor=executor,
+        clock=clock,
     )
     for name in ("a", "b", "c", "d", "e"):
         manager.register(record(name))
@@ -243,3 +247,29 @@ def test_draining_stops_when_the_waiting_adapter_is_gone() -> None:
     manager.drop(b)  # b's request was aborted
     manager.poll()
     assert manager.draining_slot is None and manager.acquire(a) == slot
+
+
+def test_a_slot_drained_for_a_quantum_is_yielded_to_the_waiting_adapter() -> None:
+    now = [100.0]
+    manager, executor, written = make(max_loras=1, max_cpu_loras=2, clock=lambda: now[0])
+    a, b = _load(manager, executor, "a", "b")
+    slot = manager.acquire(a)
+    manager.acquire(a)  # two running sequences of a
+    assert manager.slot_to_yield(0.5) is None  # nobody waits yet
+    assert manager.acquire(b) is None and manager.draining_slot == slot
+    now[0] += 0.4
+    assert manager.slot_to_yield(0.5) is None  # drained for less than the quantum
+    now[0] += 0.2
+    assert manager.slot_to_yield(0.5) == slot  # the scheduler pauses a's sequences ...
+    manager.release(slot)
+    manager.release(slot)
+    assert manager.slot_to_yield(0.5) is None  # ... and nothing pins it any more
+    assert manager.acquire(a) is None  # a paused sequence cannot take it back
+    assert manager.acquire(b) == slot and written[-1] == (slot, "weights:b:c")
+    assert manager.acquire(a) is None and manager.draining_slot == slot  # a's turn comes next
+    now[0] += 0.6
+    assert manager.slot_to_yield(0.5) == slot
+    manager.drop(a)  # a's requests went away: nobody waits, nothing to yield
+    manager.drop(a)
+    manager.poll()
+    assert manager.slot_to_yield(0.5) is None

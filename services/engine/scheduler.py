@@ -11,7 +11,7 @@ A request that could never fit (more blocks than the whole cache) is refused at 
 With LoRA adapters, a waiting sequence is admitted only once its adapter has a device slot
 (`AdapterSlots.acquire`); until then it stays waiting and sequences behind it go ahead. With
 slot time-slicing, when an adapter waits for a slot that running sequences have held for a
-quantum (`AdapterSlots.slot_to_yield`), those sequences are paused: out of the batch, slot
+quantum (`AdapterSlots.slots_to_yield`), those sequences are paused: out of the batch, slot
 unpinned, KV kept; they resume (after this step's admissions) once their adapter has a slot
 again, and are the first preempted when KV blocks run out.
 With a step-time target (a `PrefillBudget`, services/engine/step_budget.py), the prompt tokens
@@ -68,8 +68,8 @@ class AdapterSlots(Protocol):
         """`seq` is finished or aborted: unpin its slot and forget its adapter use."""
         ...
 
-    def slot_to_yield(self) -> int | None:
-        """A slot whose running sequences should pause now, or None."""
+    def slots_to_yield(self) -> list[int]:
+        """Slots whose running sequences should pause now."""
         ...
 
 
@@ -107,6 +107,7 @@ class Scheduler:
         self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []  # heap by rank
         self.running: list[Sequence] = []
         self.paused: list[Sequence] = []  # running, KV kept, out of the batch: no adapter slot
+        self._resumed: set[int] = set()  # seq_ids resumed by the last schedule: not run yet
         self.num_preemptions = 0
         self.num_pauses = 0
         self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
@@ -161,7 +162,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput(batch=ScheduledBatch())
         if rotate and self.adapter_slots is not None:
-            self._pause_yielding_slot()
+            self._pause_yielding_slots()
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
 
@@ -302,12 +303,15 @@ class Scheduler:
         for entry in skipped:
             heapq.heappush(self.waiting, entry)
 
-    def _pause_yielding_slot(self) -> None:
-        """Pause the running sequences of the slot that must change hands, if one must."""
-        slot = self.adapter_slots.slot_to_yield()
-        if slot is None:
+    def _pause_yielding_slots(self) -> None:
+        """Pause the running sequences of the slots that must change hands."""
+        slots = set(self.adapter_slots.slots_to_yield())
+        resumed, self._resumed = self._resumed, set()
+        # A slot whose sequences were resumed by the last schedule runs them once first.
+        slots -= {seq.adapter_slot for seq in self.running if seq.seq_id in resumed}
+        if not slots:
             return
-        for seq in [seq for seq in self.running if seq.adapter_slot == slot]:
+        for seq in [seq for seq in self.running if seq.adapter_slot in slots]:
             self.adapter_slots.release(seq)
             self.running.remove(seq)
             self.paused.append(seq)
@@ -323,6 +327,7 @@ class Scheduler:
             if adapters is None or adapters.acquire(seq):
                 self.paused.remove(seq)
                 self.running.append(seq)
+                self._resumed.add(seq.seq_id)
                 room -= 1
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput, *, requeue: bool = True) -> None:

@@ -6,8 +6,8 @@ adapter, before anything is queued) and `drop(seq)` when it is gone; `poll()` on
 scheduler calls `acquire(seq)` before admitting a waiting sequence — False while its adapter is
 loading or no slot can be had, so the sequence stays waiting and others go ahead — and
 `release(seq)` when it preempts, pauses or finishes one; `seq.adapter_slot` is the slot it runs
-with. With slot time-slicing (`slot_quantum_s` > 0), `slot_to_yield()` names a slot whose
-running sequences the scheduler pauses so that a waiting adapter gets the slot.
+with. With slot time-slicing (`slot_quantum_s` > 0), `slots_to_yield()` names the slots whose
+running sequences the scheduler pauses so that waiting adapters get the slots.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ class AdapterGate:
             self.manager.release(seq.adapter_slot)
             seq.adapter_slot = BASE_SLOT
 
-    def slot_to_yield(self) -> int | None:
-        """With time-slicing, the slot whose running sequences should pause now (they keep
-        their KV and resume once their adapter has a slot again); None: none should."""
+    def slots_to_yield(self) -> list[int]:
+        """With time-slicing, the slots whose running sequences should pause now (they keep
+        their KV and resume once their adapter has a slot again)."""
         if self.slot_quantum_s <= 0:
-            return None
-        return self.manager.slot_to_yield(self.slot_quantum_s)
+            return []
+        return self.manager.slots_to_yield(self.slot_quantum_s)
 
     def drop(self, seq: Sequence) -> None:
         """The request is finished or aborted: release its slot and its demand."""

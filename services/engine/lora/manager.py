@@ -12,8 +12,8 @@ thread, between forward passes. The engine drives it:
 - `ready(record)` tells the scheduler whether a waiting request can be admitted; `acquire`
   gives a running sequence a slot (pinned: never evicted while pinned), `release` unpins it on
   finish, preemption or pause, `drop` when the request is gone.
-- `slot_to_yield(quantum_s)`: with slot time-slicing, the slot whose running sequences the
-  scheduler pauses so that an adapter waiting for a slot gets it (services/engine/scheduler.py).
+- `slots_to_yield(quantum_s)`: with slot time-slicing, the slots whose running sequences the
+  scheduler pauses so that adapters waiting for a slot get them (services/engine/scheduler.py).
 
 Host cache (`max_cpu_loras`) and slots (`max_loras`) are LRU; the host cache evicts adapters
 nobody waits for first, and never one that a waiting request needs and that is in no slot.
@@ -43,6 +43,7 @@ Key = tuple[str, str]
 class _Slot:
     key: Key | None = None
     pins: int = 0
+    pinned_since_s: float = 0.0  # when its pins last went from none to some
 
 
 class AdapterManager:
@@ -77,8 +78,8 @@ class AdapterManager:
         self._loading: dict[Key, tuple[AdapterRecord, Future[Any]]] = {}
         self._slots = [_Slot() for _ in range(max_loras)]
         self._slot_order: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
-        self._draining: int | None = None  # a slot taking no new pins, for a waiting adapter
-        self._draining_since_s = 0.0
+        # Slots taking no new pins, each for an adapter waiting for a slot: slot -> since when.
+        self._draining: dict[int, float] = {}
         self._clock = clock
         self.num_loads = 0
         self.num_slot_writes = 0
@@ -139,13 +140,13 @@ class AdapterManager:
     def acquire(self, record: AdapterRecord) -> int | None:
         """Pin a device slot holding `record` (writing it if needed); None: none can be had now.
 
-        When every slot is pinned, the least recently acquired one starts draining: it takes
-        no new pins, so once its running sequences end (or are paused: `slot_to_yield`) the
-        waiting adapter gets it (no adapter waits forever behind a steady stream of requests
-        for resident ones).
+        When every slot is pinned, the least recently acquired one starts draining (one per
+        adapter waiting): it takes no new pins, so once its running sequences end (or are
+        paused: `slots_to_yield`) a waiting adapter gets it (no adapter waits forever behind a
+        steady stream of requests for resident ones).
         """
         slot = self._slot_of(record.key)
-        if slot is not None and slot == self._draining:
+        if slot is not None and slot in self._draining:
             return None
         if slot is None:
             weights = self._host.get(record.key)
@@ -153,15 +154,16 @@ class AdapterManager:
                 return None
             slot = self._free_slot()
             if slot is None:
-                if self._draining is None:
-                    self._draining = next(iter(self._slot_order))
-                    self._draining_since_s = self._clock()
+                self._drain_for_waiting()
                 return None
             self._write_slot(slot, weights)
             self.num_slot_writes += 1
             self._slots[slot].key = record.key
-            self._draining = None
-        self._slots[slot].pins += 1
+            self._draining.pop(slot, None)
+        entry = self._slots[slot]
+        if entry.pins == 0:
+            entry.pinned_since_s = self._clock()
+        entry.pins += 1
         self._slot_order.move_to_end(slot)
         return slot
 
@@ -191,8 +193,9 @@ class AdapterManager:
                     error = SluiceError(f"adapter {record.name!r} failed to load: {error}")
                 self._failed[key] = error
                 failures.append((record, error))
-        if self._draining is not None and not self._blocked():
-            self._draining = None  # the adapter it drained for is gone or got a slot
+        surplus = len(self._draining) - self._num_blocked()
+        for slot in list(self._draining)[: max(surplus, 0)]:
+            del self._draining[slot]  # the adapters they drained for are gone or got slots
         for key in self._missing():
             if not self._make_host_room():
                 break
@@ -241,25 +244,39 @@ class AdapterManager:
         if self._on_load_done is not None:
             self._on_load_done()
 
-    def _blocked(self) -> bool:
-        """Whether an adapter in demand is in memory but in no slot (it waits for one)."""
+    def _num_blocked(self) -> int:
+        """Adapters in demand that are in memory but in no slot (they wait for one)."""
         in_slots = {entry.key for entry in self._slots}
-        return any(key in self._host and key not in in_slots for key in self._demand)
+        return sum(key in self._host and key not in in_slots for key in self._demand)
 
     @property
-    def draining_slot(self) -> int | None:
-        return self._draining
+    def draining_slots(self) -> tuple[int, ...]:
+        """Slots taking no new pins, oldest drain first."""
+        return tuple(self._draining)
 
-    def slot_to_yield(self, quantum_s: float) -> int | None:
-        """The draining slot, once it has drained for `quantum_s` and its running sequences
-        still pin it while an adapter in memory waits for a slot: the engine pauses those
-        sequences (their KV stays) so the slot changes hands; None otherwise."""
-        slot = self._draining
-        if slot is None or self._slots[slot].pins == 0:
-            return None
-        if self._clock() - self._draining_since_s < quantum_s or not self._blocked():
-            return None
-        return slot
+    def slots_to_yield(self, quantum_s: float) -> list[int]:
+        """Draining slots whose running sequences have pinned them for `quantum_s` and that
+        have drained as long: the engine pauses those sequences (their KV stays) so the slots
+        change hands."""
+        now = self._clock()
+        slots = []
+        for slot, since in self._draining.items():
+            entry = self._slots[slot]
+            if entry.pins and now - max(since, entry.pinned_since_s) >= quantum_s:
+                slots.append(slot)
+        return slots
+
+    def _drain_for_waiting(self) -> None:
+        """One slot drains per adapter that waits for a slot (the least recently acquired
+        slots first), at most a quarter of the slots at once (at least one): several adapters
+        change places at a time, while most slots keep serving the adapters they hold."""
+        limit = min(self._num_blocked(), max(1, self.max_loras // 4))
+        if len(self._draining) >= limit:
+            return
+        for slot in self._slot_order:
+            if slot not in self._draining:
+                self._draining[slot] = self._clock()
+                return
 
     def _slot_of(self, key: Key) -> int | None:
         for index, entry in enumerate(self._slots):

@@ -230,23 +230,23 @@ def test_a_waiting_adapter_drains_the_oldest_slot_instead_of_starving() -> None:
     manager, executor, _ = make(max_loras=2, max_cpu_loras=3)
     a, b, c = _load(manager, executor, "a", "b", "c")
     slot_a, slot_b = manager.acquire(a), manager.acquire(b)
-    assert manager.acquire(c) is None and manager.draining_slot == slot_a
+    assert manager.acquire(c) is None and manager.draining_slots == (slot_a,)
     assert manager.acquire(a) is None  # a takes no new sequences while it drains ...
     assert manager.acquire(b) == slot_b  # ... b still does
     manager.release(slot_a)  # a's last running sequence ends
-    assert manager.acquire(c) == slot_a and manager.draining_slot is None
+    assert manager.acquire(c) == slot_a and manager.draining_slots == ()
     assert manager.acquire(a) is None  # now a waits for a slot (and drains the oldest: b)
-    assert manager.draining_slot == slot_b
+    assert manager.draining_slots == (slot_b,)
 
 
 def test_draining_stops_when_the_waiting_adapter_is_gone() -> None:
     manager, executor, _ = make(max_loras=1, max_cpu_loras=2)
     a, b = _load(manager, executor, "a", "b")
     slot = manager.acquire(a)
-    assert manager.acquire(b) is None and manager.draining_slot == slot
+    assert manager.acquire(b) is None and manager.draining_slots == (slot,)
     manager.drop(b)  # b's request was aborted
     manager.poll()
-    assert manager.draining_slot is None and manager.acquire(a) == slot
+    assert manager.draining_slots == () and manager.acquire(a) == slot
 
 
 def test_a_slot_drained_for_a_quantum_is_yielded_to_the_waiting_adapter() -> None:
@@ -255,21 +255,49 @@ def test_a_slot_drained_for_a_quantum_is_yielded_to_the_waiting_adapter() -> Non
     a, b = _load(manager, executor, "a", "b")
     slot = manager.acquire(a)
     manager.acquire(a)  # two running sequences of a
-    assert manager.slot_to_yield(0.5) is None  # nobody waits yet
-    assert manager.acquire(b) is None and manager.draining_slot == slot
+    assert manager.slots_to_yield(0.5) == []  # nobody waits yet
+    assert manager.acquire(b) is None and manager.draining_slots == (slot,)
     now[0] += 0.4
-    assert manager.slot_to_yield(0.5) is None  # drained for less than the quantum
+    assert manager.slots_to_yield(0.5) == []  # drained for less than the quantum
     now[0] += 0.2
-    assert manager.slot_to_yield(0.5) == slot  # the scheduler pauses a's sequences ...
+    assert manager.slots_to_yield(0.5) == [slot]  # the scheduler pauses a's sequences ...
     manager.release(slot)
     manager.release(slot)
-    assert manager.slot_to_yield(0.5) is None  # ... and nothing pins it any more
+    assert manager.slots_to_yield(0.5) == []  # ... and nothing pins it any more
     assert manager.acquire(a) is None  # a paused sequence cannot take it back
     assert manager.acquire(b) == slot and written[-1] == (slot, "weights:b:c")
-    assert manager.acquire(a) is None and manager.draining_slot == slot  # a's turn comes next
+    assert manager.acquire(a) is None and manager.draining_slots == (slot,)  # a's turn comes next
     now[0] += 0.6
-    assert manager.slot_to_yield(0.5) == slot
+    assert manager.slots_to_yield(0.5) == [slot]
     manager.drop(a)  # a's requests went away: nobody waits, nothing to yield
     manager.drop(a)
     manager.poll()
-    assert manager.slot_to_yield(0.5) is None
+    assert manager.slots_to_yield(0.5) == []
+
+
+def test_one_slot_drains_per_waiting_adapter_up_to_a_quarter() -> None:
+    now = [0.0]
+    manager, executor, _ = make(max_loras=8, max_cpu_loras=12, clock=lambda: now[0])
+    for name in ("f", "g", "h", "i", "j", "k"):
+        manager.register(record(name))
+    a, b, c = _load(manager, executor, "a", "b", "c")
+    slot_a, slot_b = manager.acquire(a), manager.acquire(b)
+    for pinned in _load(manager, executor, "f", "g", "h", "i", "j", "k"):
+        manager.acquire(pinned)  # six more adapters fill the other six slots
+    assert manager.acquire(c) is None and manager.draining_slots == (slot_a,)
+    assert manager.acquire(c) is None and manager.draining_slots == (slot_a,)  # still one
+    (d,) = _load(manager, executor, "d")
+    assert manager.acquire(d) is None and manager.draining_slots == (slot_a, slot_b)
+    (e,) = _load(manager, executor, "e")
+    assert manager.acquire(e) is None and len(manager.draining_slots) == 2  # a quarter of 8
+    now[0] = 1.0
+    assert manager.slots_to_yield(0.5) == [slot_a, slot_b]
+    manager.release(slot_a)  # a's sequence paused
+    assert manager.acquire(c) == slot_a and manager.draining_slots == (slot_b,)
+    manager.drop(d)  # d's and e's requests went away; b keeps draining for a's paused one
+    manager.drop(e)
+    manager.poll()
+    assert manager.draining_slots == (slot_b,)
+    manager.drop(a)  # and once a's request ends too, nobody waits
+    manager.poll()
+    assert manager.draining_slots == () and manager.acquire(b) == slot_b

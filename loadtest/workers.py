@@ -66,10 +66,10 @@ def run_processes(
         processes.append(process)
     ready = 0
     records: list[RequestRecord] = []
-    finished = 0
+    finished: set[int] = set()  # workers that sent their records (and may have exited)
     try:
         while ready < workers:
-            kind, _, body = _next_message(messages, processes)
+            kind, _, body = _next_message(messages, processes, finished)
             if kind == "ready":
                 ready += 1
             elif kind == "failed":
@@ -78,15 +78,15 @@ def run_processes(
         if on_start is not None:
             on_start(start_value.value)
         go.set()
-        while finished < workers:
-            kind, worker, body = _next_message(messages, processes)
+        while len(finished) < workers:
+            kind, worker, body = _next_message(messages, processes, finished)
             if kind == "done":
                 done(RequestRecord.from_json(json.loads(body)))
             elif kind == "warn":
                 monitor.relay(f"worker {worker}: {body}")
             elif kind == "records":
                 records.extend(RequestRecord.from_json(r) for r in json.loads(body))
-                finished += 1
+                finished.add(worker)
             elif kind == "failed":
                 raise UnavailableError(f"load generator {worker} failed: {body}")
     finally:
@@ -98,12 +98,17 @@ def run_processes(
     return RunResult(records, start_value.value, monitor.warnings)
 
 
-def _next_message(messages: multiprocessing.Queue, processes: list) -> tuple[str, int, str]:
+def _next_message(
+    messages: multiprocessing.Queue, processes: list, finished: set[int]
+) -> tuple[str, int, str]:
+    """The next message; UnavailableError once a worker that has not sent its records is gone
+    (one that has may exit while the others still run)."""
     while True:
         try:
             return messages.get(timeout=1.0)
         except queue.Empty:
-            if not all(p.is_alive() for p in processes) and messages.empty():
+            running = [p for index, p in enumerate(processes) if index not in finished]
+            if not all(p.is_alive() for p in running) and messages.empty():
                 raise UnavailableError("a load-generator process died") from None
 
 

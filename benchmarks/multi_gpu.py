@@ -10,11 +10,14 @@ G engines, one per GPU (each pinned with CUDA_VISIBLE_DEVICES, as `sluice up` pi
 the same run. Concurrency is `--concurrency-per-gpu` streams per engine, so every engine is
 saturated. Reported: output tokens/s of each and `dp_speedup` (G GPUs over 1; goal >= 1.9 at 2).
 
-(b) Tensor parallel. In a child process per size (its GPU memory is gone when it ends): an
-LLMEngine on `--tp-model` (default dummy:llama-3-8b) at TP=1, then at TP=2 (ranks on GPUs 0
-and 1, NCCL, NVLink multicast off), warmed, one request of 128 prompt tokens decoding 256
-tokens: the median wall time of its decode steps (`LLMEngine.step`, batch 1, CUDA graphs with
-the all-reduces inside). Reported: `tp2_over_tp1_decode_step` (goal <= 0.6).
+(b) Tensor parallel. In a child process per run (its GPU memory is gone when it ends): an
+LLMEngine on `--tp-model` (default dummy:llama-3-8b) at TP=1, at TP=2 (ranks on GPUs 0 and 1,
+NVLink multicast off) with the one-shot all-reduce over symmetric memory, and at TP=2 with
+NCCL for every sum; each warmed, one request of 128 prompt tokens decoding 256 tokens: the
+median wall time of its decode steps (`LLMEngine.step`, batch 1, CUDA graphs with the
+all-reduces inside), the GPU time of rank 0's graph replays, the host time of sending a step
+to rank 1, and how many greedy tokens equal TP=1's (bf16: partial sums round differently).
+Reported: `tp2_over_tp1_decode_step` (goal <= 0.6).
 
 Writes the JSON report to `--out` (default benchmarks/results/multi-gpu-<gpu>.json) after
 every phase.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,8 +44,14 @@ WARM_STEPS = 16
 
 
 # ---- (b) tensor-parallel decode step, in a child process ------------------------------------
-def run_decode_child(model: str, tensor_parallel_size: int, out: Path) -> None:
-    """Median bs=1 decode step of `model` at `tensor_parallel_size`; JSON to `out`."""
+def run_decode_child(model: str, tensor_parallel_size: int, custom: bool, out: Path) -> None:
+    """Median bs=1 decode step of `model` at `tensor_parallel_size`; JSON to `out`.
+
+    Beside the step's wall time: the GPU time of rank 0's graph replay (CUDA events around
+    it; at TP > 1 it includes waiting at the first all-reduce for the other rank) and the host
+    time of sending the step to the other ranks. The greedy tokens go in the report, so runs
+    of different sizes can be compared.
+    """
     import torch
 
     from services.common.protocol.sampling_params import SamplingParams
@@ -51,52 +61,112 @@ def run_decode_child(model: str, tensor_parallel_size: int, out: Path) -> None:
     result: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size}
     started = time.perf_counter()
     engine = LLMEngine(
-        EngineConfig(model=model, device="cuda", tensor_parallel_size=tensor_parallel_size)
+        EngineConfig(
+            model=model,
+            device="cuda",
+            tensor_parallel_size=tensor_parallel_size,
+            custom_all_reduce=custom,
+        )
     )
     result["engine_build_s"] = round(time.perf_counter() - started, 1)
     result["execution_path"] = engine.info.execution_path
+    runner = engine.runner
+    gpu_ms: list[float] = []
+    send_ms: list[float] = []
+    timed_decode(runner, gpu_ms, send_ms)
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
     engine.add_request("decode", list(range(1000, 1000 + PROMPT_TOKENS)), params)
-    engine.step()  # the prefill
+    tokens: list[int] = []
     step_ms = []
+    first = True
     while engine.has_unfinished():
         torch.cuda.synchronize()
         begin = time.perf_counter()
-        engine.step()
+        output = engine.step()
         torch.cuda.synchronize()
-        step_ms.append((time.perf_counter() - begin) * 1e3)
+        if not first:  # the prefill is not a decode step
+            step_ms.append((time.perf_counter() - begin) * 1e3)
+        first = False
+        for delta in output.deltas:
+            tokens += delta.new_token_ids
     steady = step_ms[WARM_STEPS:]
     result.update(
         decode_steps=len(step_ms),
         decode_step_p50_ms=round(statistics.median(steady), 4),
         decode_step_p10_ms=round(sorted(steady)[len(steady) // 10], 4),
         decode_step_p90_ms=round(sorted(steady)[len(steady) * 9 // 10], 4),
+        graph_gpu_p50_ms=round(statistics.median(gpu_ms[WARM_STEPS:]), 4) if gpu_ms else None,
+        send_step_p50_ms=round(statistics.median(send_ms[WARM_STEPS:]), 4) if send_ms else None,
+        graph_steps=getattr(runner, "graph_steps", None),
+        tokens=tokens,
     )
-    runner = engine.runner
-    result["graph_steps"] = getattr(runner, "graph_steps", None)
     out.write_text(json.dumps(result, indent=1))
     if runner.tensor_parallel is not None:
         runner.tensor_parallel.close()
 
 
+def timed_decode(runner: Any, gpu_ms: list[float], send_ms: list[float]) -> None:
+    """Wrap the runner's graph decode (and its step send) to record their times."""
+    import torch
+
+    fast = getattr(runner, "fast", None)
+    if fast is not None:
+        decode = fast.decode
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            outputs = decode(*args, **kwargs)
+            end.record()
+            end.synchronize()
+            gpu_ms.append(begin.elapsed_time(end))
+            return outputs
+
+        fast.decode = timed
+    if runner.tensor_parallel is not None:
+        send = runner.tensor_parallel.send_decode
+
+        def timed_send(*args: Any, **kwargs: Any) -> Any:
+            begin = time.perf_counter()
+            send(*args, **kwargs)
+            send_ms.append((time.perf_counter() - begin) * 1e3)
+
+        runner.tensor_parallel.send_decode = timed_send
+
+
 def tensor_parallel_decode(args: argparse.Namespace, report: dict[str, Any], save) -> None:
-    results = {}
-    for size in (1, 2):
+    """TP=1, TP=2, and TP=2 with NCCL for every sum, each in its own child process."""
+    runs = {"tp1": (1, True), "tp2": (2, True), "tp2_nccl": (2, False)}
+    results: dict[str, dict[str, Any]] = {}
+    section: dict[str, Any] = {"date": _now(), "command": report["command"]}
+    report["tensor_parallel"] = section
+    for name, (size, custom) in runs.items():
         out = Path(tempfile.mkdtemp(prefix="multi-gpu-tp-")) / "decode.json"
         command = [sys.executable, "-m", "benchmarks.multi_gpu", "--tp-model", args.tp_model]
         command += ["--decode-child", str(size), "--child-out", str(out)]
+        command += [] if custom else ["--child-nccl"]
         started = time.perf_counter()
         try:
             status = subprocess.run(command, timeout=args.tp_timeout_s).returncode
         except subprocess.TimeoutExpired:
             status = "timed out"
-        results[size] = json.loads(out.read_text()) if out.is_file() else {}
-        results[size].update(exit_status=status, wall_s=round(time.perf_counter() - started, 1))
-        report["tensor_parallel"] = {f"tp{key}": value for key, value in results.items()}
+        results[name] = json.loads(out.read_text()) if out.is_file() else {}
+        results[name].update(exit_status=status, wall_s=round(time.perf_counter() - started, 1))
+        section[name] = results[name]
         save()
-    one, two = (results[size].get("decode_step_p50_ms") for size in (1, 2))
-    if one and two:
-        report["tp2_over_tp1_decode_step"] = round(two / one, 3)
+    one = results["tp1"].get("decode_step_p50_ms")
+    for name in ("tp2", "tp2_nccl"):
+        two = results[name].get("decode_step_p50_ms")
+        if one and two:
+            section[f"{name}_over_tp1_decode_step"] = round(two / one, 3)
+        reference, ours = results["tp1"].get("tokens"), results[name].get("tokens")
+        if reference and ours:
+            pairs = enumerate(zip(reference, ours, strict=False))
+            same = next((i for i, (a, b) in pairs if a != b), min(len(reference), len(ours)))
+            section[f"{name}_greedy_tokens_equal_to_tp1"] = same
+    for result in results.values():  # compared: the token lists need not stay in the report
+        result.pop("tokens", None)
+    report["tp2_over_tp1_decode_step"] = section.get("tp2_over_tp1_decode_step")
     save()
 
 
@@ -107,7 +177,7 @@ def data_parallel(args: argparse.Namespace, report: dict[str, Any], save) -> Non
     from services.launcher import Stack, StackConfig, describe_engines
 
     specs = fixed_specs(args.num_requests)
-    runs: dict[str, Any] = {}
+    runs: dict[str, Any] = {"date": _now(), "command": report["command"]}
     report["data_parallel"] = runs
     for gpus in (1, args.gpus):
         log_dir = Path(tempfile.mkdtemp(prefix=f"multi-gpu-dp{gpus}-"))
@@ -149,6 +219,14 @@ def data_parallel(args: argparse.Namespace, report: dict[str, Any], save) -> Non
     save()
 
 
+TP_KEYS = ("tensor_parallel", "tp2_over_tp1_decode_step")
+DP_KEYS = ("data_parallel", "dp_speedup")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 # ---- main -----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -164,12 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-dp", action="store_true")
     parser.add_argument("--skip-tp", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the skipped phase's figures (each with its date and command) from --out",
+    )
     parser.add_argument("--decode-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-nccl", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.decode_child is not None:
-        run_decode_child(args.tp_model, args.decode_child, args.child_out)
-        return 0
+        run_decode_child(args.tp_model, args.decode_child, not args.child_nccl, args.child_out)
+        os._exit(0)  # past the group's teardown: nothing of this child is needed any more
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -183,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "dp_speedup": None,
         "tp2_over_tp1_decode_step": None,
         "device": f"{count} x {device}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": _now(),
         "command": "python -m benchmarks.multi_gpu "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "model": args.model,
@@ -194,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     del torch
+
+    if args.update and out.is_file():  # keep the phases this run skips, with their own dates
+        previous = json.loads(out.read_text())
+        for skipped, keys in ((args.skip_tp, TP_KEYS), (args.skip_dp, DP_KEYS)):
+            if skipped:
+                report.update({key: previous[key] for key in keys if key in previous})
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,12 @@ timeout "${BENCH_TIMEOUT:-390}" "$PYTHON" -m benchmarks.multi_gpu --out "$OUT/mu
 echo "== multi_gpu: exit $? after $((SECONDS - started)) s"
 grep -v "^ *$" "$OUT/multi-gpu.log" | tail -n 30
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-  started=$SECONDS
-  timeout "${TEST_TIMEOUT:-180}" "$PYTHON" -m pytest tests/gpu/test_tensor_parallel.py -q \
-    -p no:cacheprovider --durations=5 > "$OUT/tp-tests.log" 2>&1
-  echo "== tests/gpu/test_tensor_parallel.py: exit $? after $((SECONDS - started)) s"
-  tail -n 25 "$OUT/tp-tests.log"
+  # One pytest process per file: the 70B test needs the GPUs to itself.
+  for name in test_tensor_parallel test_tensor_parallel_70b; do
+    started=$SECONDS
+    timeout "${TEST_TIMEOUT:-240}" "$PYTHON" -m pytest "tests/gpu/$name.py" -q -p no:cacheprovider \
+      --durations=5 -rA -o faulthandler_timeout=200 > "$OUT/$name.log" 2>&1
+    echo "== tests/gpu/$name.py: exit $? after $((SECONDS - started)) s"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E |passed|failed" "$OUT/$name.log" | tail -n 20
+  done
 fi

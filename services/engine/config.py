@@ -80,6 +80,13 @@ class EngineConfig:
         help="ranks one model is split over (attention heads, MLP width, KV cache by KV heads); "
         "on CUDA rank r uses GPU r of those visible, on CPU the ranks are processes (gloo)",
     )
+    custom_all_reduce: bool = field(
+        True,
+        help="with tensor_parallel_size > 1 on GPUs, sum decode-sized activations with a "
+        "one-shot all-reduce over CUDA symmetric memory (peer-to-peer reads, one kernel), NCCL "
+        "for larger ones; set up only where every GPU reaches its peers and a check sum is "
+        "exact, else NCCL throughout (the engine log says why); off = NCCL throughout",
+    )
     warm_up: bool = field(
         True,
         help="before reporting SERVING, run every step shape once (prefill sizes, every "

@@ -77,6 +77,10 @@ class DecodeCudaGraphs:
         for key in [key for key in self._graphs if key[0] == variant]:
             del self._graphs[key]
 
+    def clear(self) -> None:
+        """Forget every graph (their memory pools go with them)."""
+        self._graphs.clear()
+
     def replay(self, batch_size: int) -> int:
         """Run the graph of batch_size's bucket in the selected variant; returns the bucket."""
         bucket = self.bucket_for(batch_size)

@@ -147,6 +147,8 @@ class CudaModelRunner(BaseModelRunner):
         tuned = self._tune_skinny_matmuls()
         if self.use_cuda_graphs:
             self.fast.capture_graphs()
+            if self.tensor_parallel is not None:  # graphs hold work of the group's communicators
+                self.tensor_parallel.before_leaving.append(self.fast.graphs.clear)
         largest = self.fast.graphs.max_batch_size
         width = self.fast._static.block_tables.shape[1]
         # Two sets of pinned inputs and of sampled-id outputs, used in turn, so preparing step

@@ -1,9 +1,11 @@
-"""Tensor parallelism on GPUs: TP=2 over NCCL against TP=1 on the same dummy weights (2+ GPUs).
+"""Tensor parallelism on GPUs: TP=2 against TP=1 on the same dummy weights (2+ GPUs).
 
 The reduced 70B shape (dummy:llama-3-70b-4l: the 70B layer, 4 layers) fits one GPU, so TP=1 and
-TP=2 run the same weights in bfloat16: logits agree to bf16 rounding of the summed partial
-products, and greedy tokens are equal. The full dummy:llama-3-70b is served at TP=2 where each
-GPU holds 100 GB or more (its half of the weights is ~70 GB, plus the replicated LM head).
+TP=2 run the same weights, in float32, where only the order of the partial sums differs: logits
+agree to float32 rounding and greedy tokens are equal (in bfloat16 a near-tie of a random model
+flips on rounding alone; benchmarks/multi_gpu.py reports how far bf16 greedy runs agree). Decode
+sums go through the one-shot all-reduce over symmetric memory, prefill sums through NCCL.
+test_tensor_parallel_70b.py serves the full 70B shape (run it in a pytest process of its own).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 SETTINGS = dict(
     device="cuda",
-    dtype="bfloat16",
+    dtype="float32",
     kv_cache_bytes=2 << 30,
     max_model_len=1024,
     max_num_seqs=8,
@@ -59,6 +61,8 @@ def test_tp2_holds_half_the_heads_and_graphs_with_the_all_reduce(reduced_70b_pai
     assert runner.kv_cache.layers[0][0].shape[2] == 4  # the cache holds this rank's KV heads
     assert runner.fast is not None, runner.fast_path_off_reason
     assert runner.capabilities.graph_batch_sizes  # decode graphs captured, collectives inside
+    assert runner.tensor_parallel.custom is not None, runner.tensor_parallel.custom_off_reason
+    assert "one-shot all-reduce" in pair.info.execution_path
 
 
 def test_tp2_greedy_tokens_equal_tp1_on_the_reduced_70b_shape(reduced_70b_pair) -> None:
@@ -66,10 +70,11 @@ def test_tp2_greedy_tokens_equal_tp1_on_the_reduced_70b_shape(reduced_70b_pair) 
     reference = generate(single, 24)
     ours = generate(pair, 24)
     assert pair.runner.graph_steps > 0  # decode ran through the captured graphs
-    assert ours == reference
+    for row, (theirs, mine) in enumerate(zip(reference, ours, strict=True)):
+        assert mine == theirs, f"prompt {row}: {mine} against TP=1's {theirs}"
 
 
-def test_tp2_logits_match_tp1_to_bf16_rounding(reduced_70b_pair) -> None:
+def test_tp2_logits_match_tp1_to_float32_rounding(reduced_70b_pair) -> None:
     from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
 
     single, pair = reduced_70b_pair
@@ -86,31 +91,6 @@ def test_tp2_logits_match_tp1_to_bf16_rounding(reduced_70b_pair) -> None:
     )
     ours = pair.runner.execute(batch).double()
     reference = single.runner.execute(batch).double()
-    assert float((ours - reference).norm() / reference.norm()) < 2e-2
+    # Triton's float32 dot rounds its inputs to TF32 (10-bit mantissa): ~1e-4 relative here.
+    assert float((ours - reference).norm() / reference.norm()) < 2e-3
     assert int(ours.argmax()) == int(reference.argmax())
-
-
-@pytest.mark.skipif(
-    torch.cuda.device_count() >= 2
-    and min(torch.cuda.get_device_properties(i).total_memory for i in range(2)) < 100 << 30,
-    reason="dummy:llama-3-70b at TP=2 needs 100 GB per GPU",
-)
-def test_llama_3_70b_serves_at_tp2() -> None:
-    engine = LLMEngine(
-        EngineConfig(
-            model="dummy:llama-3-70b",
-            tensor_parallel_size=2,
-            device="cuda",
-            dtype="bfloat16",
-            kv_cache_bytes=4 << 30,
-            max_model_len=1024,
-            max_num_seqs=8,
-            max_num_batched_tokens=1024,
-        )
-    )
-    try:
-        tokens = generate(engine, 8)
-        assert [len(row) for row in tokens] == [8, 8, 8]
-        assert engine.runner.model_config.num_heads == 32
-    finally:
-        engine.runner.tensor_parallel.close()

@@ -1,14 +1,16 @@
-"""The process group of one tensor-parallel engine, and each step's inputs sent over it.
+"""The process group of one tensor-parallel engine, and each step's inputs sent to its ranks.
 
 `TensorParallelGroup` wraps torch.distributed: NCCL between GPUs, gloo between CPU processes
-(where the tests run TP=2). `TensorParallelRank` is what a model runner holds: its shard
-layout, its model builder, and the step transfer. Rank 0 owns the scheduler and the block
-manager; before each forward it broadcasts the step's flat inputs (token ids, positions, KV
-slots, lengths, block tables) as two int64 tensors: a fixed header of sizes, then one payload.
-They travel on the host, over a gloo group beside the main one: rank 0 never waits for its GPU
-to send a step (graph decode inputs are already in pinned host memory), and NCCL carries only
-the all-reduces of the activations.
-No pickle, no Python objects: ranks 1..N-1 rebuild the same AttentionMetadata from the tensors
+(where the tests run TP=2), plus a gloo group for the few host-side agreements (KV block count,
+whether every rank can use the one-shot all-reduce). `TensorParallelRank` is what a model runner
+holds: its shard layout, its model builder, its all-reduce, and the step transfer.
+
+Rank 0 owns the scheduler and the block manager; before each forward it puts the step's flat
+inputs (token ids, positions, KV slots, lengths, block tables) into the group's StepChannel
+(shared host memory, channel.py) as one int64 message: a fixed header of sizes, then the
+payload. Rank 0 never waits for its GPU to send a step (graph decode inputs are already in
+pinned host memory), and the collectives carry only the activations' sums.
+No pickle, no Python objects: ranks 1..N-1 rebuild the same AttentionMetadata from the numbers
 and run the same forward, so every all-reduce meets its peers in the same order. A CUDA-graph
 decode step (the CUDA fast path, its graphs captured with the all-reduces inside on every rank)
 sends only token ids, positions, block tables and, where a token is the previous step's
@@ -20,18 +22,23 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.common.errors import FailedPreconditionError
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.models.config import ModelConfig
+from services.engine.parallel import symmetric
+from services.engine.parallel.channel import StepChannel
 from services.engine.parallel.sharding import ShardLayout
+from services.engine.parallel.symmetric import SymmetricAllReduce
 from services.engine.parallel.weights import build_sharded_model, local_model_config, shard_layout
 
 logger = logging.getLogger(__name__)
@@ -42,6 +49,7 @@ HEADER_SIZE = 9
 OP_STOP, OP_STEP, OP_DECODE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 600.0
 RANK_STOP_TIMEOUT_S = 30.0
+LEAVE_TIMEOUT_S = 10.0
 
 
 def backend_for(device: torch.device) -> str:
@@ -81,11 +89,6 @@ class TensorParallelGroup:
         dist.all_reduce(tensor)
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's host `tensor` into every rank's (same shape and dtype), in place."""
-        dist.broadcast(tensor, src=0, group=self.control)
-        return tensor
-
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value`."""
         tensor = torch.tensor([value], dtype=torch.int64)
@@ -93,8 +96,15 @@ class TensorParallelGroup:
         return int(tensor.item())
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the group; every rank does, at the same time (rank 0 after telling the others
+        to stop). Bounded: a library that still blocks is left behind with a warning."""
+        if not dist.is_initialized():
+            return
+        thread = threading.Thread(target=dist.destroy_process_group, name="leave", daemon=True)
+        thread.start()
+        thread.join(LEAVE_TIMEOUT_S)
+        if thread.is_alive():
+            logger.warning("tensor-parallel group not left after %.0f s", LEAVE_TIMEOUT_S)
 
 
 @dataclass
@@ -120,15 +130,28 @@ class TensorParallelRank:
     """What a model runner of one rank needs: its layout, model, and the step transfer."""
 
     def __init__(
-        self, group: TensorParallelGroup, *, stopping: threading.Event | None = None
+        self,
+        group: TensorParallelGroup,
+        channel: StepChannel,
+        *,
+        stopping: threading.Event | None = None,
+        custom_all_reduce: bool = True,
     ) -> None:
         self.group = group
+        self.channel = channel
+        # Small sums over CUDA symmetric memory (parallel/symmetric.py) where every rank can.
+        self.want_custom_all_reduce = custom_all_reduce
+        self.custom: SymmetricAllReduce | None = None
+        self.custom_off_reason: str | None = "not set up"
         # Set when rank 0 stops the group: its rank processes may end from then on.
         self.stopping = stopping or threading.Event()
         self.rank = group.rank
         self.world_size = group.world_size
         self.layout: ShardLayout | None = None
         self.followers: list[subprocess.Popen] = []  # the rank processes rank 0 started
+        # Run before leaving the group: a communicator cannot be torn down while CUDA graphs
+        # captured with its collectives are alive (the runner drops its decode graphs here).
+        self.before_leaving: list[Callable[[], None]] = []
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """This rank's model shape (refuses a size the model cannot be split by)."""
@@ -146,15 +169,50 @@ class TensorParallelRank:
     ) -> nn.Module:
         """This rank's model of the full model `config`, its row-parallel sums on the group."""
         self.layout = shard_layout(config, self.world_size, self.rank)
-        return build_sharded_model(
+        model = build_sharded_model(
             config,
             self.layout,
             weights_dir=weights_dir,
             device=device,
             dtype=dtype,
             seed=seed,
-            all_reduce=self.group.all_reduce,
+            all_reduce=self.all_reduce,
         )
+        if device.type == "cuda":
+            self.enable_custom_all_reduce(dtype)
+        return model
+
+    def enable_custom_all_reduce(self, dtype: torch.dtype) -> None:
+        """Set up the one-shot all-reduce on every rank, or leave the sums on the group's
+        library (NCCL) with the reason; collective, every rank after building its model."""
+        if not self.want_custom_all_reduce:
+            self.custom, self.custom_off_reason = None, "turned off"
+            return
+        self.custom, self.custom_off_reason = symmetric.enable(
+            group_name=dist.group.WORLD.group_name,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.group.device,
+            dtype=dtype,
+            agree=self.group.min_int,
+        )
+        if self.custom_off_reason is not None:
+            logger.warning("tensor parallel: all-reduces on NCCL (%s)", self.custom_off_reason)
+
+    @property
+    def all_reduce_path(self) -> str:
+        """How the row-parallel sums run, in words."""
+        if self.custom is not None:
+            limit = self.custom.max_bytes >> 10
+            return f"one-shot all-reduce over symmetric memory up to {limit} KiB, NCCL above"
+        return f"{backend_for(self.group.device)} all-reduce"
+
+    def all_reduce(self, tensor: torch.Tensor, turn: int = 0) -> torch.Tensor:
+        """The sum of `tensor` over the ranks (RowParallel's; `turn`: see there)."""
+        custom = self.custom
+        if custom is not None and custom.fits(tensor):
+            return custom(tensor, turn)
+        return self.group.all_reduce(tensor)
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The KV block count every rank can hold (rank 0's block manager uses this many)."""
@@ -177,7 +235,6 @@ class TensorParallelRank:
             metadata.logits_indices.numel(),
             metadata.block_size,
         ]
-        self.group.broadcast(torch.tensor(header, dtype=torch.int64))
         parts = (
             input_ids,
             positions,
@@ -188,7 +245,7 @@ class TensorParallelRank:
             metadata.logits_indices,
             tables.reshape(-1),
         )
-        self.group.broadcast(_host_payload(parts))
+        self.channel.put(_message(header, parts))
 
     def send_decode(
         self,
@@ -200,34 +257,30 @@ class TensorParallelRank:
         """Rank 0: give the other ranks one graph decode step's inputs (before its replay)."""
         count, width = block_tables.shape
         header = [OP_DECODE, count, width, int(sources is not None), 0, 0, 0, 0, 0]
-        self.group.broadcast(torch.tensor(header, dtype=torch.int64))
         parts = [input_ids, positions, block_tables.reshape(-1)]
         if sources is not None:
             parts.append(sources)
-        self.group.broadcast(_host_payload(parts))
+        self.channel.put(_message(header, parts))
 
     def send_stop(self) -> None:
         """Rank 0: tell the other ranks to leave their step loop."""
-        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-        header[0] = OP_STOP
-        self.group.broadcast(header)
+        header = [OP_STOP] + [0] * (HEADER_SIZE - 1)
+        self.channel.put(np.asarray(header, dtype=np.int64))
 
     def receive(self) -> StepMessage | DecodeMessage | None:
         """Ranks 1..N-1: the next step from rank 0, or None when told to stop."""
-        header_tensor = torch.empty(HEADER_SIZE, dtype=torch.int64)
-        self.group.broadcast(header_tensor)
-        header = header_tensor.tolist()
+        message = torch.from_numpy(self.channel.get())
+        header = message[:HEADER_SIZE].tolist()
+        payload = message[HEADER_SIZE:]
         if header[0] == OP_STOP:
             return None
         if header[0] == OP_DECODE:
-            return self._receive_decode(header)
-        return self._receive_step(header)
+            return self._receive_decode(header, payload)
+        return self._receive_step(header, payload)
 
-    def _receive_decode(self, header: list[int]) -> DecodeMessage:
+    def _receive_decode(self, header: list[int], payload: torch.Tensor) -> DecodeMessage:
         _, count, width, has_sources = header[:4]
         sizes = [count, count, count * width] + ([count] if has_sources else [])
-        payload = torch.empty(sum(sizes), dtype=torch.int64)
-        self.group.broadcast(payload)
         parts = payload.split(sizes)  # host tensors: CudaFastPath.decode copies them over
         return DecodeMessage(
             input_ids=parts[0],
@@ -236,11 +289,9 @@ class TensorParallelRank:
             sources=parts[3] if has_sources else None,
         )
 
-    def _receive_step(self, header: list[int]) -> StepMessage:
+    def _receive_step(self, header: list[int], payload: torch.Tensor) -> StepMessage:
         _, tokens, seqs, width, max_query, max_seq, pure_decode, logits, block_size = header
         sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs, logits, seqs * width]
-        payload = torch.empty(sum(sizes), dtype=torch.int64)
-        self.group.broadcast(payload)
         host = payload.split(sizes)
         starts_host, seq_lens_host, context_lens_host = (host[i].tolist() for i in (3, 4, 5))
         parts = payload.to(self.group.device).split(sizes)
@@ -264,22 +315,31 @@ class TensorParallelRank:
         return StepMessage(ids, positions, metadata)
 
     def close(self) -> None:
-        """Rank 0: stop the other ranks, wait for their processes; any rank: leave the group."""
+        """Rank 0: stop the other ranks, leave the group with them, wait for their processes.
+        Ranks 1..N-1 (after the stop): leave the group."""
         self.stopping.set()
         if self.rank == 0 and self.followers:
             try:
                 self.send_stop()
-            except RuntimeError as exc:  # a rank already gone: its process is reaped below
+            except FailedPreconditionError as exc:  # a rank gone: its process is reaped below
                 logger.warning("tensor-parallel ranks not told to stop: %s", exc)
-            for process in self.followers:
-                try:
-                    process.wait(timeout=RANK_STOP_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 - a rank that does not leave is killed
-                    process.kill()
-            self.followers = []
+        for release in self.before_leaving:
+            release()
+        self.before_leaving = []
+        if self.group.device.type == "cuda":
+            torch.cuda.synchronize(self.group.device)
+        self.custom = None  # the symmetric buffers go before the group they were mapped over
         self.group.close()
+        for process in self.followers:
+            try:
+                process.wait(timeout=RANK_STOP_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a rank that does not leave is killed
+                process.kill()
+        self.followers = []
+        self.channel.close()
 
 
-def _host_payload(parts: Iterable[torch.Tensor]) -> torch.Tensor:
-    """One int64 host tensor of `parts` (device parts are copied to the host)."""
-    return torch.cat([part.to(device="cpu", dtype=torch.int64).reshape(-1) for part in parts])
+def _message(header: list[int], parts: Iterable[torch.Tensor]) -> np.ndarray:
+    """The header and `parts` (device parts are copied to the host) as one int64 array."""
+    host = [part.to(device="cpu", dtype=torch.int64).reshape(-1).numpy() for part in parts]
+    return np.concatenate([np.asarray(header, dtype=np.int64), *host])

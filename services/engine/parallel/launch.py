@@ -28,6 +28,7 @@ from services.common.errors import InvalidArgumentError
 from services.common.model_files import ModelFiles
 from services.engine.config import EngineConfig
 from services.engine.model_runner import BaseModelRunner, load_model_config, runner_arguments
+from services.engine.parallel.channel import StepChannel
 from services.engine.parallel.group import TensorParallelGroup, TensorParallelRank
 from services.engine.parallel.sharding import check_divisible
 
@@ -94,6 +95,7 @@ def create_parallel_runner(config: EngineConfig, model_files: ModelFiles) -> Bas
     init_method = f"tcp://127.0.0.1:{free_port()}"
     encoded = json.dumps(dataclasses.asdict(config))
     environment = {**os.environ, **NO_MULTICAST_ENV}
+    channel = StepChannel.create(readers=world_size - 1)
     followers = [
         subprocess.Popen(
             [
@@ -103,6 +105,7 @@ def create_parallel_runner(config: EngineConfig, model_files: ModelFiles) -> Bas
                 f"--rank={rank}",
                 f"--world-size={world_size}",
                 f"--init-method={init_method}",
+                f"--step-channel={channel.path}",
                 f"--parent-pid={os.getpid()}",
                 f"--engine-config={encoded}",
             ],
@@ -119,17 +122,23 @@ def create_parallel_runner(config: EngineConfig, model_files: ModelFiles) -> Bas
             init_method=init_method,
             device=torch.device(rank_device(config, 0)),
         )
-        tensor_parallel = TensorParallelRank(group, stopping=stopping)
+        channel.unlink()  # every rank has mapped it before joining the group
+        tensor_parallel = TensorParallelRank(
+            group, channel, stopping=stopping, custom_all_reduce=config.custom_all_reduce
+        )
         tensor_parallel.followers = followers
         runner = build_rank_runner(config, model_files, tensor_parallel)
     except BaseException:
         stopping.set()
+        channel.unlink()
         for process in followers:
             process.kill()
         raise
     atexit.register(tensor_parallel.close)
     path = getattr(runner, "execution_path", "") or f"{config.backend} ops"
-    runner.execution_path = f"{path}, tensor parallel over {world_size} ranks"
+    runner.execution_path = (
+        f"{path}, tensor parallel over {world_size} ranks ({tensor_parallel.all_reduce_path})"
+    )
     logger.info("tensor parallel: %d ranks, init %s", world_size, init_method)
     return runner
 

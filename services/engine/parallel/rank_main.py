@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from services.common.errors import FailedPreconditionError
 from services.common.model_files import resolve_model
 from services.engine.config import EngineConfig
 from services.engine.model_runner import BaseModelRunner
+from services.engine.parallel.channel import StepChannel
 from services.engine.parallel.group import DecodeMessage, TensorParallelGroup, TensorParallelRank
 from services.engine.parallel.launch import build_rank_runner, rank_device
 
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--init-method", required=True)
+    parser.add_argument("--step-channel", required=True, help="rank 0's StepChannel file")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-config", required=True, help="EngineConfig as JSON")
     args = parser.parse_args(argv)
@@ -84,19 +87,20 @@ def main(argv: list[str] | None = None) -> None:
     exit_with_parent(args.parent_pid)
     config = EngineConfig(**json.loads(args.engine_config))
     files = resolve_model(config.model)
+    channel = StepChannel.attach(Path(args.step_channel), args.rank, args.world_size - 1)
     group = TensorParallelGroup(
         rank=args.rank,
         world_size=args.world_size,
         init_method=args.init_method,
         device=torch.device(rank_device(config, args.rank)),
     )
-    tensor_parallel = TensorParallelRank(group)
+    tensor_parallel = TensorParallelRank(group, channel, custom_all_reduce=config.custom_all_reduce)
     runner = build_rank_runner(config, files, tensor_parallel)
     steps = serve_steps(runner, tensor_parallel)
     logger.info("stopped after %d steps", steps)
+    tensor_parallel.close()  # leaves the group with rank 0
     logging.shutdown()
-    # Leave without tearing the process group down: the collective library's threads can
-    # abort a normal interpreter exit (std::terminate) while rank 0 still holds the group.
+    # No interpreter teardown: the collective library's threads can abort a normal exit.
     os._exit(0)
 
 

@@ -96,19 +96,27 @@ def _rows(tensor: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
     return tensor[span[0] : span[1]]
 
 
-class RowParallel(nn.Module):
-    """A row-parallel projection: this rank's partial product, then the sum over all ranks."""
+AllReduce = Callable[[torch.Tensor, int], torch.Tensor]
 
-    def __init__(self, inner: nn.Module, all_reduce: Callable[[torch.Tensor], torch.Tensor]):
+
+class RowParallel(nn.Module):
+    """A row-parallel projection: this rank's partial product, then the sum over all ranks.
+
+    `turn` (0 for o_proj, 1 for down_proj: the sums of a forward alternate) lets an all-reduce
+    that stages through its own buffers use them in turn.
+    """
+
+    def __init__(self, inner: nn.Module, all_reduce: AllReduce, turn: int = 0):
         super().__init__()
         self.inner = inner
         self.all_reduce = all_reduce
+        self.turn = turn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(self.inner(x))
+        return self.all_reduce(self.inner(x), self.turn)
 
 
-def wrap_row_parallel(model: nn.Module, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> int:
+def wrap_row_parallel(model: nn.Module, all_reduce: AllReduce) -> int:
     """Wrap every o_proj and down_proj of `model` in RowParallel; how many were wrapped."""
     targets = [
         name
@@ -118,7 +126,8 @@ def wrap_row_parallel(model: nn.Module, all_reduce: Callable[[torch.Tensor], tor
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, RowParallel(getattr(parent, child), all_reduce))
+        turn = ROW_PARALLEL.index(child)
+        setattr(parent, child, RowParallel(getattr(parent, child), all_reduce, turn))
     return len(targets)
 
 
@@ -130,7 +139,7 @@ def build_sharded_model(
     device: torch.device,
     dtype: torch.dtype,
     seed: int,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+    all_reduce: AllReduce,
 ) -> nn.Module:
     """This rank's model of the full model `config`, filled and with its row-parallel sums."""
     cls = model_class(config)

@@ -25,6 +25,7 @@ from services.engine.config import EngineConfig
 from services.engine.cpu_runner import CpuModelRunner
 from services.engine.llm_engine import LLMEngine
 from services.engine.parallel import launch
+from services.engine.parallel.channel import StepChannel
 from services.engine.parallel.group import TensorParallelRank
 from services.engine.parallel.launch import create_parallel_runner
 from services.engine.parallel.rank_main import serve_steps
@@ -95,7 +96,7 @@ def generate(engine: LLMEngine, max_tokens: int) -> dict[str, list[int]]:
 def test_two_ranks_give_the_logits_of_one(single: LLMEngine, pair: LLMEngine):
     assert pair.runner.model_config.num_heads == 2  # rank 0 holds half the heads
     assert pair.runner.model_config.num_kv_heads == 1
-    assert pair.info.execution_path == "torch ops, tensor parallel over 2 ranks"
+    assert pair.info.execution_path == "torch ops, tensor parallel over 2 ranks (gloo all-reduce)"
     for ours, reference in zip(run_steps(pair.runner, 4), run_steps(single.runner, 4), strict=True):
         assert ours.shape == reference.shape == (3, single.runner.model_config.vocab_size)
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
@@ -143,9 +144,6 @@ class ThreadGroup:
             total += value
         return tensor.copy_(total)
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.copy_(self._exchange(tensor)[0])
-
     def min_int(self, value: int) -> int:
         return min(int(v) for v in self._exchange(torch.tensor([value])))
 
@@ -156,8 +154,13 @@ class ThreadGroup:
 def logits_over_threads(files: ModelFiles, world_size: int, prompts: list[list[int]]) -> list:
     """run_steps' logits on rank 0 of `world_size` ranks in threads of this process."""
     barrier, shared = threading.Barrier(world_size), {}
+    writer = StepChannel.create(readers=world_size - 1)
+    channels = [writer] + [
+        StepChannel.attach(writer.path, rank, world_size - 1) for rank in range(1, world_size)
+    ]
+    writer.unlink()
     ranks = [
-        TensorParallelRank(ThreadGroup(rank, world_size, shared, barrier))
+        TensorParallelRank(ThreadGroup(rank, world_size, shared, barrier), channels[rank])
         for rank in range(world_size)
     ]
     runners: dict[int, CpuModelRunner] = {}
@@ -241,3 +244,21 @@ def test_rank_zero_leaves_when_a_rank_process_ends_unasked(monkeypatch):
     launch.exit_when_a_rank_dies([asked], stopping).join(5)
     asked.wait(10)
     assert exits == []
+
+
+def test_closing_releases_graphs_before_leaving_the_group():
+    events: list[str] = []
+
+    class RecordingGroup(ThreadGroup):
+        def close(self) -> None:
+            events.append("left the group")
+
+    writer = StepChannel.create(readers=1)
+    reader = StepChannel.attach(writer.path, 1, 1)
+    writer.unlink()
+    rank = TensorParallelRank(RecordingGroup(1, 2, {}, threading.Barrier(1)), reader)
+    rank.before_leaving.append(lambda: events.append("graphs released"))
+    rank.close()
+    assert events == ["graphs released", "left the group"]
+    assert rank.custom is None and rank.before_leaving == []
+    writer.close()

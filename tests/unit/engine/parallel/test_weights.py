@@ -28,7 +28,8 @@ from tests.unit.engine.models.helpers import hf_config, save_random_model
 CPU = torch.device("cpu")
 
 
-def _identity(tensor: torch.Tensor) -> torch.Tensor:
+def _identity(tensor: torch.Tensor, turn: int) -> torch.Tensor:
+    assert turn in (0, 1)
     return tensor
 
 

@@ -19,6 +19,9 @@ all-reduces inside), the GPU time of rank 0's graph replays, the host time of se
 to rank 1, and how many greedy tokens equal TP=1's (bf16: partial sums round differently).
 Reported: `tp2_over_tp1_decode_step` (goal <= 0.6).
 
+(c) With `--stack-tp`: one engine at TP=2 (GPUs 0 and 1) behind the router, the same request
+set closed loop: tensor parallelism served as `sluice up --tensor-parallel-size 2` serves it.
+
 Writes the JSON report to `--out` (default benchmarks/results/multi-gpu-<gpu>.json) after
 every phase.
 """
@@ -172,46 +175,10 @@ def tensor_parallel_decode(args: argparse.Namespace, report: dict[str, Any], sav
 
 # ---- (a) data parallel through one router -------------------------------------------------
 def data_parallel(args: argparse.Namespace, report: dict[str, Any], save) -> None:
-    from benchmarks.gpu_stack import _phase, fixed_specs
-    from services.common.ports import free_port
-    from services.launcher import Stack, StackConfig, describe_engines
-
-    specs = fixed_specs(args.num_requests)
     runs: dict[str, Any] = {"date": _now(), "command": report["command"]}
     report["data_parallel"] = runs
     for gpus in (1, args.gpus):
-        log_dir = Path(tempfile.mkdtemp(prefix=f"multi-gpu-dp{gpus}-"))
-        config = StackConfig(
-            model=args.model,
-            port=free_port(),
-            engines=gpus,
-            engine_gpus=tuple(str(index) for index in range(gpus)),
-            engine_args=("--device", "cuda"),
-            router_args=("--log-level", "WARNING"),
-            log_dir=log_dir,
-            startup_timeout_s=400.0,
-        )
-        started = time.perf_counter()
-        stack = Stack(config).start()
-        run: dict[str, Any] = {"gpus": gpus, "start_s": round(time.perf_counter() - started, 1)}
-        runs[f"gpus{gpus}"] = run
-        try:
-            run["engines"] = describe_engines(stack.engine_addresses)
-            pids = {"router": stack.router.process.pid, "tokenizer": stack.tokenizer.process.pid}
-            concurrency = args.concurrency_per_gpu * gpus
-            run["saturation"] = _phase(
-                f"saturation-{gpus}gpu",
-                specs,
-                [0.0] * len(specs),
-                stack.router_address,
-                concurrency=concurrency,
-                workers=args.workers,
-                plots_dir=None,
-                pids=pids,
-            )
-        finally:
-            stack.stop()
-            save()
+        runs[f"gpus{gpus}"] = stack_saturation(args, engines=gpus, gpus_per_engine=1, save=save)
     one = runs.get("gpus1", {}).get("saturation", {}).get("output_tok_s")
     many = runs.get(f"gpus{args.gpus}", {}).get("saturation", {}).get("output_tok_s")
     if one and many:
@@ -219,8 +186,68 @@ def data_parallel(args: argparse.Namespace, report: dict[str, Any], save) -> Non
     save()
 
 
+def stack_tensor_parallel(args: argparse.Namespace, report: dict[str, Any], save) -> None:
+    """(c) One engine at TP=2 (GPUs 0 and 1) through the router: tensor parallelism served."""
+    run = stack_saturation(args, engines=1, gpus_per_engine=2, save=save)
+    report["stack_tensor_parallel"] = {"date": _now(), "command": report["command"], **run}
+    save()
+
+
+def stack_saturation(
+    args: argparse.Namespace, *, engines: int, gpus_per_engine: int, save
+) -> dict[str, Any]:
+    """`engines` engines of `gpus_per_engine` GPUs each behind one router, closed loop."""
+    from benchmarks.gpu_stack import _phase, fixed_specs
+    from services.common.ports import free_port
+    from services.launcher import Stack, StackConfig, describe_engines
+
+    specs = fixed_specs(args.num_requests)
+    gpus = [str(index) for index in range(engines * gpus_per_engine)]
+    groups = tuple(
+        ",".join(gpus[i * gpus_per_engine : (i + 1) * gpus_per_engine]) for i in range(engines)
+    )
+    engine_args = ("--device", "cuda")
+    if gpus_per_engine > 1:
+        engine_args += ("--tensor-parallel-size", str(gpus_per_engine))
+    config = StackConfig(
+        model=args.model,
+        port=free_port(),
+        engines=engines,
+        engine_gpus=groups,
+        engine_args=engine_args,
+        router_args=("--log-level", "WARNING"),
+        log_dir=Path(tempfile.mkdtemp(prefix=f"multi-gpu-{engines}x{gpus_per_engine}-")),
+        startup_timeout_s=400.0,
+    )
+    started = time.perf_counter()
+    stack = Stack(config).start()
+    run: dict[str, Any] = {
+        "engines": engines,
+        "gpus_per_engine": gpus_per_engine,
+        "start_s": round(time.perf_counter() - started, 1),
+    }
+    try:
+        run["engine_info"] = describe_engines(stack.engine_addresses)
+        pids = {"router": stack.router.process.pid, "tokenizer": stack.tokenizer.process.pid}
+        run["saturation"] = _phase(
+            f"saturation-{engines}x{gpus_per_engine}gpu",
+            specs,
+            [0.0] * len(specs),
+            stack.router_address,
+            concurrency=args.concurrency_per_gpu * engines,
+            workers=args.workers,
+            plots_dir=None,
+            pids=pids,
+        )
+    finally:
+        stack.stop()
+        save()
+    return run
+
+
 TP_KEYS = ("tensor_parallel", "tp2_over_tp1_decode_step")
 DP_KEYS = ("data_parallel", "dp_speedup")
+STACK_KEYS = ("stack_tensor_parallel",)
 
 
 def _now() -> str:
@@ -241,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-timeout-s", type=float, default=150.0, help="per TP child")
     parser.add_argument("--skip-dp", action="store_true")
     parser.add_argument("--skip-tp", action="store_true")
+    parser.add_argument(
+        "--stack-tp",
+        action="store_true",
+        help="also serve one TP=2 engine through the router at saturation (phase c)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--update",
@@ -281,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.update and out.is_file():  # keep the phases this run skips, with their own dates
         previous = json.loads(out.read_text())
-        for skipped, keys in ((args.skip_tp, TP_KEYS), (args.skip_dp, DP_KEYS)):
+        phases = ((args.skip_tp, TP_KEYS), (args.skip_dp, DP_KEYS), (not args.stack_tp, STACK_KEYS))
+        for skipped, keys in phases:
             if skipped:
                 report.update({key: previous[key] for key in keys if key in previous})
 
@@ -294,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel_decode(args, report, save)
     if not args.skip_dp:
         data_parallel(args, report, save)
+    if args.stack_tp:
+        stack_tensor_parallel(args, report, save)
     for key in ("device", "dp_speedup", "tp2_over_tp1_decode_step"):
         print(f"{key:28s} {report.get(key)}")
     print(f"wrote {out}")

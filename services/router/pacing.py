@@ -15,7 +15,10 @@ many messages per second:
 The token rate is measured over the last `RATE_WINDOW_S` (every detokenized step reports its
 tokens). The first token of a request and its end always go at once, and a held-back token never
 waits longer than `--stream-max-hold-ms` (a periodic sweep flushes it; see RouterCore), so a
-stalled engine cannot hold text back.
+stalled engine cannot hold text back. The hold limit must leave room for the interval: with
+steps of 20-50 ms (a loaded GPU engine) a 50 ms limit flushed every 1-3 tokens whatever the
+interval, so the router sent 2-3x the messages its budget asked for; at 250 ms (the default) an
+interval of 8 holds at 20-30 ms steps (BENCHMARKS.md, "Serving stack").
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ RATE_WINDOW_S = 0.25
 # The adaptive pacing's defaults (RouterConfig's --stream-* flags take theirs from here).
 DEFAULT_MESSAGE_BUDGET = 1500.0  # responses per second
 DEFAULT_MAX_INTERVAL = 8  # tokens per response
-DEFAULT_MAX_HOLD_S = 0.05
+DEFAULT_MAX_HOLD_S = 0.25
 
 
 class StreamPacing:

@@ -1,7 +1,8 @@
 """Engine actors on a Ray cluster that someone else started: the KubeRay head's driver.
 
 `python -m services.ray_engines --ray-address auto ...` joins the cluster, waits until it has one
-GPU per engine (`--wait-for-gpus`: KubeRay's GPU workers join after the head), places the
+GPU per engine (`--wait-for-gpus`: KubeRay's GPU workers join after the head; an engine of
+`--tensor-parallel-size N` takes N GPUs in one actor), places the
 EngineWorker actors through `services.ray_cluster.RayCluster` (`--engine-port` pins their gRPC
 port on each node, so probes and network policies can name it), and holds them until SIGTERM,
 when it drains and deregisters them. The actors are not detached: they live as long as this
@@ -18,6 +19,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 from services.common.config import add_arguments, from_layers
 from services.common.errors import InvalidArgumentError, SluiceError
@@ -53,6 +55,21 @@ def drain_node_engines(config: RayClusterConfig, timeout_s: float) -> list[str]:
         ray.shutdown()
 
 
+def with_tensor_parallel(config: RayClusterConfig, worker: WorkerConfig) -> RayClusterConfig:
+    """`config` with one actor's GPUs equal to the engines' --tensor-parallel-size (a group
+    of N ranks needs N GPUs in its actor): taken from it when --gpus-per-engine is left at 1,
+    refused when both are set and differ."""
+    size = worker.engine.tensor_parallel_size
+    if config.gpus_per_engine == size:
+        return config
+    if config.gpus_per_engine == 1:
+        return replace(config, gpus_per_engine=size)
+    raise InvalidArgumentError(
+        f"--gpus-per-engine {config.gpus_per_engine} differs from the engines' "
+        f"--tensor-parallel-size {size}: an engine's ranks take one GPU each"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m services.ray_engines` (module docstring)."""
     parser = build_parser("python -m services.ray_engines")
@@ -68,8 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         args = parser.parse_args(list(argv) if argv is not None else None)
-        config = from_layers(RayClusterConfig, args)
         worker = WorkerConfig.from_namespace(args)
+        config = with_tensor_parallel(from_layers(RayClusterConfig, args), worker)
         store = from_layers(StoreConfig, args)
         if config.ray_address is None:
             raise InvalidArgumentError("--ray-address is needed (auto: the cluster of this node)")
@@ -88,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = RayCluster(config).start()
     try:
         if config.wait_for_gpus and config.engines is not None:
-            cluster.wait_for_gpus(config.engines)
+            cluster.wait_for_gpus(config.engines * config.gpus_per_engine)
         engines = cluster.start_engines(worker, store, host=worker.network.host)
     except SluiceError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)

@@ -51,3 +51,17 @@ def test_each_engine_process_gets_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -
         ("engine-0", {"CUDA_VISIBLE_DEVICES": "3"}),
         ("engine-1", {"CUDA_VISIBLE_DEVICES": "5"}),
     ]
+
+
+def test_ray_engine_actors_take_their_tensor_parallel_size_in_gpus() -> None:
+    from services.engine.worker_config import WorkerConfig
+    from services.ray_cluster import RayClusterConfig
+    from services.ray_engines import with_tensor_parallel
+
+    pair = WorkerConfig.from_argv(["--model", "dummy:tiny", "--tensor-parallel-size", "2"])
+    single = WorkerConfig.from_argv(["--model", "dummy:tiny"])
+    assert with_tensor_parallel(RayClusterConfig(), pair).gpus_per_engine == 2
+    assert with_tensor_parallel(RayClusterConfig(gpus_per_engine=2), pair).gpus_per_engine == 2
+    assert with_tensor_parallel(RayClusterConfig(), single).gpus_per_engine == 1
+    with pytest.raises(InvalidArgumentError, match="--gpus-per-engine 4 differs"):
+        with_tensor_parallel(RayClusterConfig(gpus_per_engine=4), pair)

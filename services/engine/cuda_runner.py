@@ -39,6 +39,7 @@ from services.engine.model_runner import (
     runner_arguments,
 )
 from services.engine.models.config import ModelConfig
+from services.engine.parallel.guard import after_send
 from services.engine.sequence import PENDING_TOKEN
 
 if TYPE_CHECKING:
@@ -303,7 +304,8 @@ class CudaModelRunner(BaseModelRunner):
             self.tensor_parallel.send_step(input_ids, positions, metadata)
         self.eager_steps += 1
         # Every token's K/V lands in the cache, whether any row samples or not.
-        return self.fast.forward(input_ids, positions, metadata)
+        with after_send(self.tensor_parallel):
+            return self.fast.forward(input_ids, positions, metadata)
 
     @torch.inference_mode()
     def reference_execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -368,14 +370,15 @@ class CudaModelRunner(BaseModelRunner):
                 host.tables[:count],
                 host.sources[:count] if pending else None,
             )
-        outputs = self.fast.decode(
-            host.ids[:count],
-            host.positions[:count],
-            host.tables[:count],
-            sources=host.sources[:count] if pending else None,
-            previous_ids=self._previous_ids,
-            copies_done=host.copies_done,
-        )
+        with after_send(self.tensor_parallel):
+            outputs = self.fast.decode(
+                host.ids[:count],
+                host.positions[:count],
+                host.tables[:count],
+                sources=host.sources[:count] if pending else None,
+                previous_ids=self._previous_ids,
+                copies_done=host.copies_done,
+            )
         self.graph_steps += 1
         return outputs
 

@@ -36,6 +36,7 @@ from services.engine.kv_cache import KVCache
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.loader.weights import build_model
 from services.engine.models.config import ModelConfig
+from services.engine.parallel.guard import after_send
 
 if TYPE_CHECKING:
     from services.engine.lora.engine_adapters import EngineAdapters
@@ -222,8 +223,9 @@ class BaseModelRunner:
         input_ids, positions, metadata = self.prepare_inputs(batch)
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_step(input_ids, positions, metadata)
-        self.backend.prepare(metadata)
-        hidden = self.model(input_ids, positions, metadata)
+        with after_send(self.tensor_parallel):
+            self.backend.prepare(metadata)
+            hidden = self.model(input_ids, positions, metadata)
         if metadata.logits_indices.numel() == 0:
             return None
         return hidden.index_select(0, metadata.logits_indices)

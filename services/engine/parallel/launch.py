@@ -28,6 +28,7 @@ from services.common.errors import InvalidArgumentError
 from services.common.model_files import ModelFiles
 from services.engine.config import EngineConfig
 from services.engine.model_runner import BaseModelRunner, load_model_config, runner_arguments
+from services.engine.parallel import guard
 from services.engine.parallel.channel import StepChannel
 from services.engine.parallel.group import TensorParallelGroup, TensorParallelRank
 from services.engine.parallel.sharding import check_divisible
@@ -161,16 +162,11 @@ def exit_when_a_rank_dies(
                         process.pid,
                         process.returncode,
                     )
-                    leave(1)
+                    guard.leave_process(1)
 
     thread = threading.Thread(target=watch, name="rank-watch", daemon=True)
     thread.start()
     return thread
-
-
-def leave(code: int) -> None:
-    """End this process now, skipping clean-up that would wait on the lost rank."""
-    os._exit(code)
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.cpu_runner import CpuModelRunner
 from services.engine.llm_engine import LLMEngine
-from services.engine.parallel import launch
+from services.engine.parallel import guard, launch
 from services.engine.parallel.channel import StepChannel
 from services.engine.parallel.group import TensorParallelRank
 from services.engine.parallel.launch import create_parallel_runner
@@ -228,7 +228,7 @@ def test_rank_zero_leaves_when_a_rank_process_ends_unasked(monkeypatch):
         exits.append(code)
         exited.set()
 
-    monkeypatch.setattr(launch, "leave", record_exit)
+    monkeypatch.setattr(guard, "leave_process", record_exit)
     monkeypatch.setattr(launch, "RANK_CHECK_S", 0.05)
     stopping = threading.Event()
     lost = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -261,4 +261,22 @@ def test_closing_releases_graphs_before_leaving_the_group():
     rank.close()
     assert events == ["graphs released", "left the group"]
     assert rank.custom is None and rank.before_leaving == []
+    writer.close()
+
+
+def test_a_failure_after_the_step_was_sent_ends_the_engine(monkeypatch):
+    codes: list[int] = []
+    monkeypatch.setattr(guard, "leave_process", codes.append)
+    writer = StepChannel.create(readers=1)
+    writer.unlink()
+    rank = TensorParallelRank(ThreadGroup(0, 2, {}, threading.Barrier(1)), writer)
+    with guard.after_send(rank):
+        pass
+    assert codes == []
+    with pytest.raises(RuntimeError, match="forward broke"), guard.after_send(rank):
+        raise RuntimeError("forward broke")
+    assert codes == [1]
+    with pytest.raises(RuntimeError), guard.after_send(None):  # no group: just the error
+        raise RuntimeError("forward broke")
+    assert codes == [1]
     writer.close()

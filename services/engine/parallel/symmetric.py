@@ -44,7 +44,9 @@ class SymmetricAllReduce:
         self.buffers = []
         for _ in range(2):
             buffer = symm_mem.empty(elements, dtype=dtype, device=device)
-            symm_mem.rendezvous(buffer, group_name)
+            handle = symm_mem.rendezvous(buffer, group_name)
+            if getattr(handle, "multicast_ptr", 0):  # TORCH_SYMM_MEM_DISABLE_MULTICAST ignored
+                raise RuntimeError("symmetric memory mapped NVLink multicast, which stays off")
             self.buffers.append(buffer)
         ops = torch.ops.symm_mem
         self.fused = hasattr(ops, "one_shot_all_reduce_copy_out")

@@ -63,6 +63,14 @@ class OutputPiece:
     cached_prompt_tokens: int = 0
 
 
+_TIMED_OUT = object()  # a waiter's result when next_piece's timeout passed
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(_TIMED_OUT)
+
+
 @dataclass(eq=False)
 class RouterRequest:
     """A request admitted by the router. `request_id` is the router's own unique id."""
@@ -101,6 +109,7 @@ class RouterRequest:
     _held_since: float | None = None  # when the oldest held-back piece arrived
     _error: SluiceError | None = None
     _waiter: asyncio.Future | None = None
+    _loop: asyncio.AbstractEventLoop | None = None  # the consumer's (asked once, not per piece)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -209,6 +218,9 @@ class RouterRequest:
         Raises the request's error once its pieces before it are read, and TimeoutError when
         `timeout_s` passes with nothing new.
         """
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         while self._pending is None or (
             self._pending_tokens < self._send_at and self.state is not RequestState.FINISHED
         ):
@@ -217,18 +229,20 @@ class RouterRequest:
                     raise self._error
                 if self.finished:
                     return None
-            self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = loop.create_future()
+            # A timer on the loop, not asyncio.wait_for (a future, a callback and a timer more
+            # per piece): it resolves the waiter with _TIMED_OUT when the time is up.
+            timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
             try:
-                if timeout_s is None:
-                    await self._waiter
-                else:
-                    await asyncio.wait_for(self._waiter, timeout_s)
-            except TimeoutError:
-                if self._pending is None:
-                    raise
-                break  # the deadline: send what is held back first
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if waiter.result() is _TIMED_OUT:
+                if self._pending is None:
+                    raise TimeoutError
+                break  # the deadline: send what is held back first
         piece = self._pending
         self._pending = None
         self._pending_tokens = 0

@@ -73,3 +73,26 @@ def test_requests_read_the_shared_interval_after_each_send() -> None:
         assert (await asyncio.wait_for(reader, 1.0)).token_ids == [3, 4, 5]
 
     asyncio.run(scenario())
+
+
+def test_a_timeout_sends_held_tokens_first_then_raises() -> None:
+    async def scenario() -> None:
+        pacing = StreamPacing.fixed(4)
+        request = RouterRequest("r1", "client", [1], SamplingParams(), pacing=pacing)
+        request.push(OutputPiece(text="a", token_ids=[1]))
+        assert (await request.next_piece(timeout_s=1.0)).token_ids == [1]  # the first: at once
+        request.push(OutputPiece(text="b", token_ids=[2]))  # held: 1 of the 4 a response wants
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert (await request.next_piece(timeout_s=0.05)).token_ids == [2]
+        assert 0.04 <= loop.time() - started < 0.5
+        started = loop.time()
+        with pytest.raises(TimeoutError):  # nothing at all: the time is up
+            await request.next_piece(timeout_s=0.05)
+        assert loop.time() - started >= 0.04
+        for token in (3, 4, 5, 6):  # a full response before the timeout: no waiting for it
+            request.push(OutputPiece(text="c", token_ids=[token]))
+        assert (await request.next_piece(timeout_s=5.0)).token_ids == [3, 4, 5, 6]
+        assert request._waiter is None
+
+    asyncio.run(scenario())

@@ -1,10 +1,12 @@
 """A model-free engine for the stack benchmark: the real EngineSession protocol, no forward pass.
 
 Every `step_s` each live request gets one token (ids cycling through ordinary vocabulary
-entries), the same as a real engine's step message. With it the engine is never the limit, so
-`python -m benchmarks.stack_bench --synthetic-step-ms 2` measures what the router and tokenizer
-can stream by themselves. `start_synthetic_engine` is a `services.launcher.Stack` engine starter
-that runs it as its own process (`python -m benchmarks.synthetic_engine PORT STEP_MS`).
+entries), the same as a real engine's step message, gathered into fewer updates as the router's
+pacing asks (services/engine/coalesce.py, as the real engine does). With it the engine is never
+the limit, so `python -m benchmarks.stack_bench --synthetic-step-ms 2` measures what the router
+and tokenizer can stream by themselves. `start_synthetic_engine` is a `services.launcher.Stack`
+engine starter that runs it as its own process (`python -m benchmarks.synthetic_engine PORT
+STEP_MS`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 from protos.sluice.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.coalesce import TokenCoalescer
+from services.engine.outputs import FinishReason, SequenceDelta
+from services.engine.server_convert import fill_update
 
 FREE_BLOCKS = 1 << 20
 
@@ -43,13 +49,21 @@ class SyntheticEngine(engine_pb2_grpc.EngineServicer):
     async def EngineSession(self, request_iterator, context):  # noqa: N802 - gRPC method name
         live: dict[str, list[int]] = {}  # id -> [generated, max_tokens, prompt_tokens]
         aborted: list[str] = []
+        coalescer = TokenCoalescer()  # the router's pacing, as a real engine honours it
 
         async def read() -> None:
             async for message in request_iterator:
+                if message.HasField("pacing"):
+                    coalescer.set_pacing(
+                        message.pacing.tokens_per_update, message.pacing.max_hold_ms
+                    )
                 for submit in message.submits:
                     max_tokens = submit.params.max_tokens or 16
                     live[submit.request_id] = [0, max_tokens, len(submit.prompt_token_ids)]
+                    if submit.hold_tokens:
+                        coalescer.allow(submit.request_id)
                 for request_id in message.aborts:
+                    coalescer.forget(request_id)
                     if live.pop(request_id, None) is not None:
                         aborted.append(request_id)
 
@@ -59,6 +73,7 @@ class SyntheticEngine(engine_pb2_grpc.EngineServicer):
             while not reader.done():
                 await asyncio.sleep(self.step_s)
                 index += 1
+                now = time.monotonic()
                 step = engine_pb2.EngineStep(step_index=index)
                 for request_id in aborted:
                     step.updates.add(
@@ -67,14 +82,22 @@ class SyntheticEngine(engine_pb2_grpc.EngineServicer):
                 aborted.clear()
                 for request_id, state in list(live.items()):
                     state[0] += 1
-                    update = step.updates.add(
-                        request_id=request_id, token_ids=[1000 + (index * 7 + state[0]) % 4000]
+                    done = state[0] >= state[1]
+                    delta = SequenceDelta(
+                        request_id,
+                        [1000 + (index * 7 + state[0]) % 4000],
+                        finished=done,
+                        finish_reason=FinishReason.LENGTH if done else None,
+                        num_prompt_tokens=state[2],
+                        num_output_tokens=state[0],
                     )
-                    if state[0] >= state[1]:
-                        update.finish_reason = common_pb2.FINISH_REASON_LENGTH
-                        update.usage.prompt_tokens = state[2]
-                        update.usage.completion_tokens = state[0]
+                    if done:
                         del live[request_id]
+                    delta = coalescer.take(request_id, delta, now)
+                    if delta is not None:
+                        fill_update(step.updates.add(), request_id, delta)
+                for request_id, delta in coalescer.overdue(now):
+                    fill_update(step.updates.add(), request_id, delta)
                 step.load.free_blocks = FREE_BLOCKS
                 step.load.running = len(live)
                 yield step

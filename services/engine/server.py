@@ -8,8 +8,9 @@ loop never waits on a forward step.
   (`<session>/<id>`), so two routers can use the same ids. A submit whose parameters are bad is
   answered with a SequenceUpdate carrying an ItemError for that request only.
 - Every loop output becomes at most one EngineStep per session (only that session's updates,
-  plus the load). A session with no updates still gets a load-only EngineStep when the engine is
-  idle, at most every `load_report_interval_s`.
+  plus the load). Requests submitted with `hold_tokens` get their tokens of several steps in one
+  update, as the session's `pacing` says (coalesce.py). A session with no updates still gets a
+  load-only EngineStep when the engine is idle, at most every `load_report_interval_s`.
 - When a session ends (router gone, or it half-closes and its requests are done), all its live
   requests are aborted, so their KV blocks are freed.
 - LoRA: a submit naming an adapter carries its registration (`adapter_spec`, from the router's
@@ -45,6 +46,7 @@ from services.common.errors import SluiceError, UnavailableError
 from services.common.grpc_server import start_server
 from services.common.protocol.adapter_record import AdapterRecord
 from services.common.protocol.codec import sampling_params_from_pb
+from services.engine.coalesce import TokenCoalescer
 from services.engine.engine_loop import EngineLoop, LoopOutput, Rejection, Submit
 from services.engine.outputs import EngineLoad
 from services.engine.server_convert import (
@@ -73,6 +75,8 @@ class _Session:
     input_closed: bool = False
     input_error: str = ""  # why reading the router's stream failed (the session then ends)
     last_sent: float = 0.0
+    # Tokens of requests submitted with hold_tokens, gathered as the router's pacing says.
+    coalescer: TokenCoalescer = field(default_factory=TokenCoalescer)
 
     def internal_id(self, request_id: str) -> str:
         return f"{self.key}{_SEPARATOR}{request_id}"
@@ -215,6 +219,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> None:
         submits: list[Submit] = []
         refused: list[engine_pb2.SequenceUpdate] = []
+        if request.HasField("pacing"):
+            session.coalescer.set_pacing(
+                request.pacing.tokens_per_update, request.pacing.max_hold_ms
+            )
         for item in request.submits:
             request_id = item.request_id
             if not request_id:
@@ -236,6 +244,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 refused.append(_refusal(request_id, exc.code, exc.message))
                 continue
             session.live.add(request_id)
+            if item.hold_tokens:
+                session.coalescer.allow(request_id)
             submits.append(
                 Submit(
                     session.internal_id(request_id),
@@ -249,6 +259,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if submits:
             engine_loop.submit(submits)
         aborts = [session.internal_id(rid) for rid in request.aborts if rid in session.live]
+        for request_id in request.aborts:
+            session.coalescer.forget(request_id)
         if aborts:
             engine_loop.abort(aborts)
         if refused and self._load is not None:
@@ -266,12 +278,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         load = load_to_pb(output.load)
         sessions = self._sessions
         steps: dict[str, engine_pb2.EngineStep] = {}
+        now = time.monotonic()
         for items in (output.rejections, output.deltas):
             for item in items:
                 key, _, request_id = item.request_id.partition(_SEPARATOR)
                 session = sessions.get(key)
                 if session is None or request_id not in session.live:
                     continue  # the session is gone (its requests were aborted)
+                if isinstance(item, Rejection):
+                    session.coalescer.forget(request_id)
+                else:
+                    item = session.coalescer.take(request_id, item, now)
+                    if item is None:
+                        continue  # held: a later update carries it
                 step = steps.get(key)
                 if step is None:
                     step = steps[key] = self._new_step(load, output)
@@ -282,7 +301,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     fill_update(step.updates.add(), request_id, item)
                     if item.finished:
                         session.live.discard(request_id)
-        now = time.monotonic()
+        for key, session in sessions.items():
+            if session.coalescer.holding:
+                for request_id, delta in session.coalescer.overdue(now):
+                    step = steps.get(key)
+                    if step is None:
+                        step = steps[key] = self._new_step(load, output)
+                    fill_update(step.updates.add(), request_id, delta)
         for key, session in list(sessions.items()):
             step = steps.get(key)
             if step is None:

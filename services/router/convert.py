@@ -41,6 +41,8 @@ def submit_pb(request: RouterRequest) -> engine_pb2.SubmitRequest:
         params=sampling_params_to_pb(request.params),
         adapter=request.adapter,
         priority=request.priority,
+        # Stop strings are checked on each step's text: those tokens must come every step.
+        hold_tokens=not request.params.stop,
     )
     if request.adapter_record is not None:
         submit.adapter_spec.CopyFrom(request.adapter_record.to_pb())

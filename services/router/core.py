@@ -126,9 +126,16 @@ class RouterCore:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self.tokenizer.start()
+        self._tell_engines_the_pacing()
         if self.pacing.adaptive:
             self._pacer = asyncio.create_task(self._sweep_held())
         await self.pool.refresh()
+
+    def _tell_engines_the_pacing(self) -> None:
+        """Engines gather held tokens by the router's interval and hold limit
+        (engine/coalesce.py); an update of several tokens is then due here at once."""
+        pacing = self.pacing
+        self.pool.set_pacing(pacing.interval, max(1, round(pacing.max_hold_s * 1e3)))
 
     async def _sweep_held(self) -> None:
         """Adaptive pacing: flush tokens held back longer than the hold limit; decay the rate."""
@@ -137,6 +144,7 @@ class RouterCore:
             await asyncio.sleep(pacing.max_hold_s / 2)
             now = time.monotonic()
             pacing.idle(now)
+            self._tell_engines_the_pacing()
             metrics.ROUTER_STREAM_INTERVAL.set(pacing.interval)
             metrics.ROUTER_STREAMED_TOKENS_PER_SECOND.set(pacing.tokens_per_s)
             held_before = now - pacing.max_hold_s

@@ -60,6 +60,10 @@ class EngineConnection:
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._submits: list[engine_pb2.SubmitRequest] = []
         self._aborts: list[str] = []
+        # The router's pacing the engine should gather held tokens by (tokens per update, max
+        # hold ms), and what this session was last told (None: nothing yet).
+        self._pacing: tuple[int, int] = (1, 0)
+        self._sent_pacing: tuple[int, int] | None = None
         self._outbox_ready = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -94,6 +98,13 @@ class EngineConnection:
             return await self._stub.InspectAdapter(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise _sluice_error(exc, self.address) from None
+
+    def set_pacing(self, tokens_per_update: int, max_hold_ms: int) -> None:
+        """Tell the engine (with the next message) how many tokens an update may gather."""
+        pacing = (tokens_per_update, max_hold_ms)
+        if pacing != self._pacing:
+            self._pacing = pacing
+            self._outbox_ready.set()
 
     def abort(self, request_id: str) -> None:
         if not self.capacity.ready:
@@ -150,6 +161,7 @@ class EngineConnection:
         )
         self._submits.clear()
         self._aborts.clear()
+        self._sent_pacing = None  # a new session: tell it the pacing with its first message
         capacity.ready = True
         lora = ""
         if capacity.lora_slots:
@@ -169,9 +181,13 @@ class EngineConnection:
         while True:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
-            if not self._submits and not self._aborts:
+            pacing = self._pacing if self._pacing != self._sent_pacing else None
+            if not self._submits and not self._aborts and pacing is None:
                 continue
             message = engine_pb2.EngineRequest(submits=self._submits, aborts=self._aborts)
+            if pacing is not None:
+                message.pacing.tokens_per_update, message.pacing.max_hold_ms = pacing
+                self._sent_pacing = pacing
             self._submits = []
             self._aborts = []
             await call.write(message)
@@ -223,6 +239,13 @@ class EnginePool:
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
         self.connections: dict[str, EngineConnection] = {}
+        self.pacing: tuple[int, int] = (1, 0)  # (tokens per update, max hold ms) for engines
+
+    def set_pacing(self, tokens_per_update: int, max_hold_ms: int) -> None:
+        """The router's pacing, for every engine session (SubmitRequest.hold_tokens)."""
+        self.pacing = (tokens_per_update, max_hold_ms)
+        for connection in self.connections.values():
+            connection.set_pacing(tokens_per_update, max_hold_ms)
 
     async def refresh(self) -> None:
         """Connect to new addresses and drop vanished ones."""
@@ -247,6 +270,7 @@ class EnginePool:
                     max_backoff_s=self._max_backoff_s,
                 )
                 self.connections[address] = connection
+                connection.set_pacing(*self.pacing)
                 connection.start()
 
     def capacities(self) -> list[EngineCapacity]:

@@ -6,12 +6,14 @@ logprobs and finish reasons went with each. The matching `DetokenizeResponse` (p
 sequence number) turns into one `OutputPiece` per request, pushed into that request's own
 channel (first tokens first), and reports the step's tokens to the router's pacing (pacing.py).
 
-Tokens whose text the pacing would only hold back (the response they belong to is not due
-yet) stay in their request as ids instead, and go in the message of the step that makes the
-response due, all together: at N tokens per response the tokenizer decodes each request once
-per N steps, not every step, and the router handles 1/N of the deltas. First tokens, the end,
-and requests with stop strings (a stop must be seen at the step that completes it) always go
-at once; the pacing's hold limit sends overdue ones (`flush_undecoded`).
+Engines gather the tokens of requests submitted with `hold_tokens` into updates of the pacing's
+interval themselves (engine/coalesce.py): an update of several tokens is due at once. Tokens
+whose text the pacing would only hold back (the response they belong to is not due yet: a
+single-token update) stay in their request as ids instead, and go in the message of the step
+that makes the response due, all together: at N tokens per response the tokenizer decodes each
+request once per N steps, not every step, and the router handles 1/N of the deltas. First
+tokens, the end, and requests with stop strings (a stop must be seen at the step that completes
+it) always go at once; the pacing's hold limit sends overdue ones (`flush_undecoded`).
 
 A request's first text also records where its time to first token went
 (`sluice_router_first_token_phase_seconds`: tokenize, queue, engine, detokenize). A stop-string
@@ -102,8 +104,15 @@ class OutputStreamer:
             is_first = not request.completion_tokens
             finish_reason = update.finish_reason
             token_ids = update.token_ids
+            # Several tokens in one update: the engine held them by this router's pacing
+            # (SubmitRequest.hold_tokens), so they are due now, not held a second time.
+            count = len(token_ids)
             if not (
-                is_first or finish_reason or request.params.stop or request.text_due(len(token_ids))
+                is_first
+                or finish_reason
+                or request.params.stop
+                or count > 1
+                or request.text_due(count)
             ):
                 request.hold_undecoded(token_ids, update.logprobs, now)
                 continue

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.sluice.v1 import common_pb2 as protos_dot_sluice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/sluice/v1/engine.proto\x12\tsluice.v1\x1a\x1dprotos/sluice/v1/common.proto\"3\n\x15InspectAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"\xb9\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12,\n\x0c\x61\x64\x61pter_spec\x18\x06 \x01(\x0b\x32\x16.sluice.v1.AdapterSpec\"J\n\rEngineRequest\x12)\n\x07submits\x18\x01 \x03(\x0b\x32\x18.sluice.v1.SubmitRequest\x12\x0e\n\x06\x61\x62orts\x18\x02 \x03(\t\"\xb2\x02\n\nEngineLoad\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x19\n\x11resident_adapters\x18\x05 \x03(\t\x12\x12\n\nlora_slots\x18\x06 \x01(\r\x12\x18\n\x10loading_adapters\x18\x07 \x03(\t\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\t \x01(\x02\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\n \x01(\x02\x12\x16\n\x0e\x66inished_per_s\x18\x0b \x01(\x02\x12\x1d\n\x15lora_adapter_capacity\x18\x0c \x01(\r\"\xd8\x01\n\x0eSequenceUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.sluice.v1.ItemError\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.sluice.v1.Usage\"\xa3\x01\n\nEngineStep\x12*\n\x07updates\x18\x01 \x03(\x0b\x32\x19.sluice.v1.SequenceUpdate\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.sluice.v1.EngineLoad\x12\x12\n\nstep_index\x18\x03 \x01(\x04\x12\x14\n\x0cstep_time_ms\x18\x04 \x01(\x02\x12\x1a\n\x12num_batched_tokens\x18\x05 \x01(\r\"\x13\n\x11\x45ngineInfoRequest\"\xfd\x02\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x11\n\tengine_id\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12#\n\x04load\x18\r \x01(\x0b\x32\x15.sluice.v1.EngineLoad\x12\x11\n\tmax_loras\x18\x0e \x01(\r\x12\x15\n\rmax_lora_rank\x18\x0f \x01(\r\x12\x16\n\x0e\x65xecution_path\x18\x10 \x01(\t\x12\x16\n\x0etarget_step_ms\x18\x11 \x01(\x02\x32\xd7\x01\n\x06\x45ngine\x12\x44\n\rEngineSession\x12\x18.sluice.v1.EngineRequest\x1a\x15.sluice.v1.EngineStep(\x01\x30\x01\x12;\n\x04Info\x12\x1c.sluice.v1.EngineInfoRequest\x1a\x15.sluice.v1.EngineInfo\x12J\n\x0eInspectAdapter\x12 .sluice.v1.InspectAdapterRequest\x1a\x16.sluice.v1.AdapterSpecb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/sluice/v1/engine.proto\x12\tsluice.v1\x1a\x1dprotos/sluice/v1/common.proto\"3\n\x15InspectAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"\xce\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12,\n\x0c\x61\x64\x61pter_spec\x18\x06 \x01(\x0b\x32\x16.sluice.v1.AdapterSpec\x12\x13\n\x0bhold_tokens\x18\x07 \x01(\x08\">\n\x0cStreamPacing\x12\x19\n\x11tokens_per_update\x18\x01 \x01(\r\x12\x13\n\x0bmax_hold_ms\x18\x02 \x01(\r\"s\n\rEngineRequest\x12)\n\x07submits\x18\x01 \x03(\x0b\x32\x18.sluice.v1.SubmitRequest\x12\x0e\n\x06\x61\x62orts\x18\x02 \x03(\t\x12\'\n\x06pacing\x18\x03 \x01(\x0b\x32\x17.sluice.v1.StreamPacing\"\xb2\x02\n\nEngineLoad\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x19\n\x11resident_adapters\x18\x05 \x03(\t\x12\x12\n\nlora_slots\x18\x06 \x01(\r\x12\x18\n\x10loading_adapters\x18\x07 \x03(\t\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\t \x01(\x02\x12\x1b\n\x13\x64\x65\x63ode_tokens_per_s\x18\n \x01(\x02\x12\x16\n\x0e\x66inished_per_s\x18\x0b \x01(\x02\x12\x1d\n\x15lora_adapter_capacity\x18\x0c \x01(\r\"\xd8\x01\n\x0eSequenceUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.sluice.v1.ItemError\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.sluice.v1.Usage\"\xa3\x01\n\nEngineStep\x12*\n\x07updates\x18\x01 \x03(\x0b\x32\x19.sluice.v1.SequenceUpdate\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.sluice.v1.EngineLoad\x12\x12\n\nstep_index\x18\x03 \x01(\x04\x12\x14\n\x0cstep_time_ms\x18\x04 \x01(\x02\x12\x1a\n\x12num_batched_tokens\x18\x05 \x01(\r\"\x13\n\x11\x45ngineInfoRequest\"\xfd\x02\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x11\n\tengine_id\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12#\n\x04load\x18\r \x01(\x0b\x32\x15.sluice.v1.EngineLoad\x12\x11\n\tmax_loras\x18\x0e \x01(\r\x12\x15\n\rmax_lora_rank\x18\x0f \x01(\r\x12\x16\n\x0e\x65xecution_path\x18\x10 \x01(\t\x12\x16\n\x0etarget_step_ms\x18\x11 \x01(\x02\x32\xd7\x01\n\x06\x45ngine\x12\x44\n\rEngineSession\x12\x18.sluice.v1.EngineRequest\x1a\x15.sluice.v1.EngineStep(\x01\x30\x01\x12;\n\x04Info\x12\x1c.sluice.v1.EngineInfoRequest\x1a\x15.sluice.v1.EngineInfo\x12J\n\x0eInspectAdapter\x12 .sluice.v1.InspectAdapterRequest\x1a\x16.sluice.v1.AdapterSpecb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INSPECTADAPTERREQUEST']._serialized_start=75
   _globals['_INSPECTADAPTERREQUEST']._serialized_end=126
   _globals['_SUBMITREQUEST']._serialized_start=129
-  _globals['_SUBMITREQUEST']._serialized_end=314
-  _globals['_ENGINEREQUEST']._serialized_start=316
-  _globals['_ENGINEREQUEST']._serialized_end=390
-  _globals['_ENGINELOAD']._serialized_start=393
-  _globals['_ENGINELOAD']._serialized_end=699
-  _globals['_SEQUENCEUPDATE']._serialized_start=702
-  _globals['_SEQUENCEUPDATE']._serialized_end=918
-  _globals['_ENGINESTEP']._serialized_start=921
-  _globals['_ENGINESTEP']._serialized_end=1084
-  _globals['_ENGINEINFOREQUEST']._serialized_start=1086
-  _globals['_ENGINEINFOREQUEST']._serialized_end=1105
-  _globals['_ENGINEINFO']._serialized_start=1108
-  _globals['_ENGINEINFO']._serialized_end=1489
-  _globals['_ENGINE']._serialized_start=1492
-  _globals['_ENGINE']._serialized_end=1707
+  _globals['_SUBMITREQUEST']._serialized_end=335
+  _globals['_STREAMPACING']._serialized_start=337
+  _globals['_STREAMPACING']._serialized_end=399
+  _globals['_ENGINEREQUEST']._serialized_start=401
+  _globals['_ENGINEREQUEST']._serialized_end=516
+  _globals['_ENGINELOAD']._serialized_start=519
+  _globals['_ENGINELOAD']._serialized_end=825
+  _globals['_SEQUENCEUPDATE']._serialized_start=828
+  _globals['_SEQUENCEUPDATE']._serialized_end=1044
+  _globals['_ENGINESTEP']._serialized_start=1047
+  _globals['_ENGINESTEP']._serialized_end=1210
+  _globals['_ENGINEINFOREQUEST']._serialized_start=1212
+  _globals['_ENGINEINFOREQUEST']._serialized_end=1231
+  _globals['_ENGINEINFO']._serialized_start=1234
+  _globals['_ENGINEINFO']._serialized_end=1615
+  _globals['_ENGINE']._serialized_start=1618
+  _globals['_ENGINE']._serialized_end=1833
 # @@protoc_insertion_point(module_scope)

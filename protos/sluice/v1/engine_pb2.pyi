@@ -16,28 +16,40 @@ class InspectAdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "adapter", "priority", "adapter_spec")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "adapter", "priority", "adapter_spec", "hold_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SPEC_FIELD_NUMBER: _ClassVar[int]
+    HOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     adapter: str
     priority: int
     adapter_spec: _common_pb2.AdapterSpec
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ..., adapter_spec: _Optional[_Union[_common_pb2.AdapterSpec, _Mapping]] = ...) -> None: ...
+    hold_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., priority: _Optional[int] = ..., adapter_spec: _Optional[_Union[_common_pb2.AdapterSpec, _Mapping]] = ..., hold_tokens: bool = ...) -> None: ...
+
+class StreamPacing(_message.Message):
+    __slots__ = ("tokens_per_update", "max_hold_ms")
+    TOKENS_PER_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    tokens_per_update: int
+    max_hold_ms: int
+    def __init__(self, tokens_per_update: _Optional[int] = ..., max_hold_ms: _Optional[int] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("submits", "aborts")
+    __slots__ = ("submits", "aborts", "pacing")
     SUBMITS_FIELD_NUMBER: _ClassVar[int]
     ABORTS_FIELD_NUMBER: _ClassVar[int]
+    PACING_FIELD_NUMBER: _ClassVar[int]
     submits: _containers.RepeatedCompositeFieldContainer[SubmitRequest]
     aborts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, submits: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ..., aborts: _Optional[_Iterable[str]] = ...) -> None: ...
+    pacing: StreamPacing
+    def __init__(self, submits: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ..., aborts: _Optional[_Iterable[str]] = ..., pacing: _Optional[_Union[StreamPacing, _Mapping]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters", "lora_slots", "loading_adapters", "queued_prompt_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "finished_per_s", "lora_adapter_capacity")

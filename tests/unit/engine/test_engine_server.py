@@ -477,3 +477,32 @@ def test_tracing_records_each_submit_the_step_that_takes_it_and_its_message(monk
     assert list(sent.attributes["sluice.request_ids"]) == ["r0"]
     assert sent.attributes["sluice.step_index"] == took.attributes["sluice.step_index"]
     assert received.start_time <= took.start_time <= took.end_time <= sent.start_time
+
+
+def test_held_requests_get_their_tokens_in_updates_of_the_sessions_pacing() -> None:
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    expected = offline_greedy(prompts, max_tokens=13)
+
+    async def scenario() -> None:
+        async with engine_server() as (stub, _):
+            session = Session(stub)
+            held = submit("held", prompts[0], max_tokens=13, temperature=0.0, ignore_eos=True)
+            held.hold_tokens = True
+            plain = submit("plain", prompts[1], max_tokens=13, temperature=0.0, ignore_eos=True)
+            session.send(
+                submits=[held, plain],
+                pacing=engine_pb2.StreamPacing(tokens_per_update=4, max_hold_ms=60_000),
+            )
+            await session.until(lambda: len(session.finished) == 2)
+            sizes = {"held": [], "plain": []}
+            for step in session.steps:
+                for update in step.updates:
+                    sizes[update.request_id].append(len(update.token_ids))
+            assert sizes["held"] == [1, 4, 4, 4]  # the first at once, then by four; the end
+            assert sizes["plain"] == [1] * 13  # no hold_tokens: every step
+            assert session.tokens["held"] == expected[0]
+            assert session.tokens["plain"] == expected[1]
+            assert session.finished["held"].usage.completion_tokens == 13
+            session.outbox.put_nowait(None)
+
+    asyncio.run(scenario())

@@ -240,3 +240,59 @@ def test_held_tokens_past_the_hold_limit_are_decoded_and_sent_at_once() -> None:
     assert old._pending.text == "<11>" and not old._pending.finish_reason
     streamer.flush_undecoded(now + 5)
     assert len(tokenizer.sent) == 1  # nothing else was overdue
+
+
+def test_an_update_the_engine_gathered_is_decoded_at_once_not_held_again() -> None:
+    """An engine that honours the session's pacing sends a held request's tokens several to an
+    update: those are due as they come, even when fewer than the interval (a time flush)."""
+    request = _streaming(8)
+    tokenizer = _Tokenizer()
+    streamer = OutputStreamer({"r": request}, tokenizer, _Releaser())
+    step = engine_pb2.EngineStep()
+    step.updates.add(request_id="r", token_ids=[11, 12, 13])
+    streamer.on_step("engine", step)
+    (message,) = tokenizer.sent
+    assert [list(u.token_ids) for u in message.updates] == [[11, 12, 13]]
+    streamer.on_step("engine", _token_step(14))  # one token: the pacing holds it as before
+    assert len(tokenizer.sent) == 1 and request.undecoded_ids == [14]
+
+
+def test_submits_let_the_engine_hold_tokens_unless_stop_strings_are_checked() -> None:
+    from services.router.convert import submit_pb
+
+    plain = RouterRequest("a", "", [1], SamplingParams())
+    stopping = RouterRequest("b", "", [1], SamplingParams(stop=["END"]))
+    assert submit_pb(plain).hold_tokens and not submit_pb(stopping).hold_tokens
+
+
+def test_each_engine_session_is_told_the_pacing_once_and_on_change() -> None:
+    from services.router.engine_pool import EngineConnection
+
+    class Call:
+        def __init__(self) -> None:
+            self.written: list[engine_pb2.EngineRequest] = []
+
+        async def write(self, message: engine_pb2.EngineRequest) -> None:
+            self.written.append(message)
+
+    async def scenario() -> list[engine_pb2.EngineRequest]:
+        connection = EngineConnection("127.0.0.1:1", None, None, lambda: None)
+        connection.capacity.ready = True  # as after _connected
+        call = Call()
+        writer = asyncio.get_running_loop().create_task(connection._write(call))
+        connection.set_pacing(4, 250)
+        await asyncio.sleep(0.01)
+        connection.submit(engine_pb2.SubmitRequest(request_id="x"))  # pacing unchanged
+        await asyncio.sleep(0.01)
+        connection.set_pacing(4, 250)  # the same again: nothing to send
+        await asyncio.sleep(0.01)
+        connection.set_pacing(8, 250)
+        await asyncio.sleep(0.01)
+        writer.cancel()
+        await connection.close()
+        return call.written
+
+    written = asyncio.run(scenario())
+    assert [m.HasField("pacing") for m in written] == [True, False, True]
+    assert [m.pacing.tokens_per_update for m in written if m.HasField("pacing")] == [4, 8]
+    assert written[0].pacing.max_hold_ms == 250 and len(written[1].submits) == 1

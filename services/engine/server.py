@@ -279,6 +279,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         sessions = self._sessions
         steps: dict[str, engine_pb2.EngineStep] = {}
         now = time.monotonic()
+
+        def step_of(key: str) -> engine_pb2.EngineStep:
+            step = steps.get(key)
+            if step is None:
+                step = steps[key] = self._new_step(load, output)
+            return step
+
         for items in (output.rejections, output.deltas):
             for item in items:
                 key, _, request_id = item.request_id.partition(_SEPARATOR)
@@ -287,27 +294,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     continue  # the session is gone (its requests were aborted)
                 if isinstance(item, Rejection):
                     session.coalescer.forget(request_id)
-                else:
-                    item = session.coalescer.take(request_id, item, now)
-                    if item is None:
-                        continue  # held: a later update carries it
-                step = steps.get(key)
-                if step is None:
-                    step = steps[key] = self._new_step(load, output)
-                if isinstance(item, Rejection):
-                    step.updates.append(rejection_to_pb(request_id, item))
+                    step_of(key).updates.append(rejection_to_pb(request_id, item))
                     session.live.discard(request_id)
-                else:
-                    fill_update(step.updates.add(), request_id, item)
-                    if item.finished:
-                        session.live.discard(request_id)
+                    continue
+                delta = session.coalescer.take(request_id, item, now)
+                if delta is None:
+                    continue  # held: a later update carries it
+                fill_update(step_of(key).updates.add(), request_id, delta)
+                if delta.finished:
+                    session.live.discard(request_id)
         for key, session in sessions.items():
             if session.coalescer.holding:
                 for request_id, delta in session.coalescer.overdue(now):
-                    step = steps.get(key)
-                    if step is None:
-                        step = steps[key] = self._new_step(load, output)
-                    fill_update(step.updates.add(), request_id, delta)
+                    fill_update(step_of(key).updates.add(), request_id, delta)
         for key, session in list(sessions.items()):
             step = steps.get(key)
             if step is None:

@@ -61,7 +61,7 @@ class EngineConnection:
         self._submits: list[engine_pb2.SubmitRequest] = []
         self._aborts: list[str] = []
         # The router's pacing the engine should gather held tokens by (tokens per update, max
-        # hold ms), and what this session was last told (None: nothing yet).
+        # hold ms), and what the current EngineSession was last told (None: nothing yet).
         self._pacing: tuple[int, int] = (1, 0)
         self._sent_pacing: tuple[int, int] | None = None
         self._outbox_ready = asyncio.Event()

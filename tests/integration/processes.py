@@ -1,5 +1,5 @@
-"""/proc helpers shared by the tests that check no process outlives its parent, and the start
-of a real `sluice up` as a user runs it (Linux only)."""
+"""/proc helpers shared by the tests that check no process outlives its parent, the start of a
+real `sluice up` as a user runs it (Linux only), and an engine's Info over gRPC."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+
+from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
 from services.common.ports import free_port
 
 TINY_UP_ARGS = (
@@ -78,3 +81,10 @@ def start_sluice_up(*extra: str) -> tuple[subprocess.Popen[str], int]:
         text=True,
     )
     return process, port
+
+
+async def engine_info(address: str) -> engine_pb2.EngineInfo:
+    """The engine's Engine.Info at `address` (5 s deadline)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        return await stub.Info(engine_pb2.EngineInfoRequest(), timeout=5)

@@ -31,6 +31,7 @@ from services.router.registry import EngineRegistry, RegistryDiscovery
 from services.router.server import RouterServicer
 from services.tokenizer import server as tokenizer_server
 from services.tokenizer.config import TokenizerConfig
+from tests.integration.processes import engine_info
 
 pytestmark = [
     pytest.mark.slow,
@@ -60,12 +61,6 @@ def cluster(redis_server: LocalRedisServer) -> Iterator[RayCluster]:
         yield ray_cluster
     finally:
         ray_cluster.stop()
-
-
-async def _info(address: str) -> engine_pb2.EngineInfo:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        return await stub.Info(engine_pb2.EngineInfoRequest(), timeout=5)
 
 
 async def _registry_view(url: str, predicate, timeout_s: float) -> dict:  # noqa: ANN001
@@ -119,7 +114,7 @@ def test_engine_actor_serves_registers_and_survives_kill(
 ) -> None:
     (actor,) = cluster.engines
     assert actor.engine_id == "engine-0"
-    info = asyncio.run(_info(actor.address))
+    info = asyncio.run(engine_info(actor.address))
     assert info.model == "dummy:tiny" and info.num_blocks > 0
     view = asyncio.run(_registry_view(redis_server.url, lambda engines: "engine-0" in engines, 5.0))
     assert view["engine-0"].address == actor.address
@@ -140,7 +135,7 @@ def test_engine_actor_serves_registers_and_survives_kill(
     )
     restarted = view["engine-0"]
     assert restarted.address == actor.address  # a local cluster keeps the engine's port
-    assert asyncio.run(_info(restarted.address)).model == "dummy:tiny"
+    assert asyncio.run(engine_info(restarted.address)).model == "dummy:tiny"
     (now,) = cluster.describe_engines()
     assert now["pid"] == restarted.pid and now["address"] == restarted.address
 

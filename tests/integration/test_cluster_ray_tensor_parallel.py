@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
+from protos.sluice.v1 import engine_pb2
 from services.ray_cluster import RayCluster, RayClusterConfig, start_ray_engines
-from tests.integration.processes import cmdline, descendants, wait_until_gone
+from tests.integration.processes import cmdline, descendants, engine_info, wait_until_gone
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,12 +38,6 @@ def cluster() -> Iterator[RayCluster]:
         ray_cluster.stop()
 
 
-async def _info(address: str) -> engine_pb2.EngineInfo:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        return await stub.Info(engine_pb2.EngineInfoRequest(), timeout=5)
-
-
 def _ranks(actor_pid: int) -> list[int]:
     return [pid for pid in descendants(actor_pid) if "parallel.rank_main" in cmdline(pid)]
 
@@ -52,7 +46,7 @@ def _info_when_served(address: str, timeout_s: float) -> engine_pb2.EngineInfo:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return asyncio.run(_info(address))
+            return asyncio.run(engine_info(address))
         except grpc.RpcError:
             if time.monotonic() > deadline:
                 raise
@@ -61,7 +55,7 @@ def _info_when_served(address: str, timeout_s: float) -> engine_pb2.EngineInfo:
 
 def test_a_tensor_parallel_actor_serves_and_ray_restarts_its_group(cluster: RayCluster) -> None:
     (actor,) = cluster.engines
-    info = asyncio.run(_info(actor.address))
+    info = asyncio.run(engine_info(actor.address))
     assert "tensor parallel over 2 ranks (gloo all-reduce)" in info.execution_path
     (rank,) = _ranks(actor.pid)
 

@@ -386,7 +386,10 @@ def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
 
 
 def _engine_log_lines(log_dir: Path) -> list[str]:
-    keys = ("step limits", "warmed in", "CUDA fast path", "KV blocks", "Traceback", "Error")
+    keys = (
+        "step limits", "warmed in", "CUDA fast path", "KV blocks", "Traceback", "Error",
+        "measured", "warm-up did not cover",
+    )  # fmt: skip
     lines = []
     for path in sorted(log_dir.glob("engine*.log")):
         with contextlib.suppress(OSError):

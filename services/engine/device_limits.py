@@ -3,14 +3,26 @@
 `max_num_seqs` and `max_num_batched_tokens` left unset in EngineConfig are chosen here. On the
 CPU they stay the small fixed defaults (256 sequences, 2,048 tokens: a CPU step is slow, and a
 smaller budget keeps time to first token down). On a GPU they follow its memory and the model,
-as vLLM sizes its defaults: a large card (>= 70 GiB, H100/H200 class) takes 512 sequences (the
-batch where the fast path's decode rate peaks; also its largest CUDA-graph bucket) and an
-8,192-token step (prefill runs near the matmul rate from ~4k tokens per step); a mid-size card
-(>= 20 GiB) 256 and 4,096; a smaller one 128 and 2,048. Both are then cut so the KV cache left
-after the weights and the step's activations holds every sequence's share of context
-(`MIN_TOKENS_PER_SEQUENCE`), and the step budget so its activations fit. Explicit values always
-win. `plan_limits` is plain arithmetic, unit-tested without a GPU; `resolve_limits` reads the
-device and the model's shape.
+as vLLM sizes its defaults: a large card (>= 70 GiB, H100/H200 class) takes at most 512
+sequences (its largest CUDA-graph bucket) and an 8,192-token step (prefill runs near the matmul
+rate from ~4k tokens per step); a mid-size card (>= 20 GiB) 256 and 4,096; a smaller one 128 and
+2,048. Both are then cut so the KV cache left after the weights and the step's activations holds
+every sequence's share of context (`MIN_TOKENS_PER_SEQUENCE`), and the step budget so its
+activations fit. Explicit values always win.
+
+The running batch is also held near where a larger one stops paying: a decode step reads every
+weight once, and each row adds two FLOPs per weight and its own KV reads. Past the ridge row
+count (the device's matmul rate over its memory bandwidth, in rows: `ridge_rows`) the
+projections are compute-bound, so every further row costs its full share of matmul and KV time
+and output tokens/s stays flat while each request's time per output token grows with the batch.
+On an H100 with Llama-3-8B (512 prompt / 256 output tokens, saturated) caps of 320, 384, 448
+and 512 sequences gave the same output tokens/s within 6 %, and time per output token p50 of 35,
+40, 47 and 56 ms. The cap taken is the graph bucket nearest `RIDGE_MARGIN` x the ridge (a margin
+for the batch's dips as requests finish in waves): 384 there. The rates are measured once per
+GPU and dtype (a second, `measure_device_rates`) and kept in the tuning cache.
+
+`plan_limits` is plain arithmetic, unit-tested without a GPU; `resolve_limits` reads the device
+and the model's shape.
 """
 
 from __future__ import annotations
@@ -32,6 +44,10 @@ GPU_TIERS = ((70 * GIB, 512, 8192), (20 * GIB, 256, 4096), (0, 128, 2048))
 MIN_TOKENS_PER_SEQUENCE = 512
 MIN_NUM_SEQS = 16
 MIN_BATCHED_TOKENS = 512
+# The running-batch cap is the choice nearest RIDGE_MARGIN x the ridge row count (the CUDA
+# graph buckets from 128 up).
+RIDGE_MARGIN = 1.5
+BATCH_CAP_CHOICES = (128, 192, 256, 384, 512)
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,27 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     parameter_count: int
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What a GPU sustains: the dense matmul rate in the engine's dtype, and copy bandwidth
+    (bytes read + written per second)."""
+
+    matmul_flops_per_s: float
+    bandwidth_bytes_per_s: float
+
+
+def ridge_rows(rates: DeviceRates, dtype_bytes: int) -> float:
+    """Decode rows at which the projections turn from reading weights to computing: each
+    weight (dtype_bytes) takes two FLOPs per row."""
+    return rates.matmul_flops_per_s * dtype_bytes / (2.0 * rates.bandwidth_bytes_per_s)
+
+
+def ridge_batch_cap(rates: DeviceRates, dtype_bytes: int) -> int:
+    """The running-batch cap for `rates`: the choice nearest RIDGE_MARGIN x the ridge."""
+    want = RIDGE_MARGIN * ridge_rows(rates, dtype_bytes)
+    return min(BATCH_CAP_CHOICES, key=lambda choice: (abs(choice - want), choice))
 
 
 @dataclass(frozen=True)
@@ -76,8 +113,10 @@ def plan_limits(
     dtype_bytes: int,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
+    rates: DeviceRates | None = None,
 ) -> StepLimits:
-    """The step limits for a device of `total_memory_bytes`; explicit values are kept."""
+    """The step limits for a device of `total_memory_bytes` (and `rates`, where measured);
+    explicit values are kept."""
     if device_type != "cuda":
         seqs = max_num_seqs or CPU_MAX_NUM_SEQS
         tokens = max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS
@@ -85,6 +124,15 @@ def plan_limits(
     tier_seqs, tier_tokens = next(
         (seqs, tokens) for floor, seqs, tokens in GPU_TIERS if total_memory_bytes >= floor
     )
+    ridge_note = ""
+    if rates is not None:
+        cap = ridge_batch_cap(rates, dtype_bytes)
+        ridge_note = (
+            f"; batch cap {cap} from the ridge at {ridge_rows(rates, dtype_bytes):.0f} rows "
+            f"({rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s over "
+            f"{rates.bandwidth_bytes_per_s / 1e12:.2f} TB/s)"
+        )
+        tier_seqs = min(tier_seqs, cap)
     usable = total_memory_bytes * gpu_memory_utilization
     weights = shape.parameter_count * dtype_bytes
     tokens = max_num_batched_tokens or tier_tokens
@@ -105,6 +153,7 @@ def plan_limits(
     reason = (
         f"sized for {total_memory_bytes / GIB:.0f} GiB at utilization {gpu_memory_utilization}: "
         f"weights {weights / GIB:.1f} GiB, about {max(int(kv_tokens), 0):,} KV tokens"
+        f"{ridge_note}"
     )
     return StepLimits(int(seqs), int(tokens), reason)
 
@@ -123,14 +172,19 @@ def resolve_limits(config: EngineConfig, model_config, device: str) -> tuple[Eng
         import torch
 
         total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        dtype_bytes = 4 if config.dtype == "float32" else 2
+        rates = None
+        if config.max_num_seqs is None:
+            rates = device_rates(device, torch.float32 if dtype_bytes == 4 else torch.bfloat16)
         limits = plan_limits(
             device_type=device_type,
             total_memory_bytes=total,
             gpu_memory_utilization=config.gpu_memory_utilization,
             shape=model_shape(model_config),
-            dtype_bytes=4 if config.dtype == "float32" else 2,
+            dtype_bytes=dtype_bytes,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            rates=rates,
         )
     else:
         limits = StepLimits(
@@ -148,6 +202,87 @@ def resolve_limits(config: EngineConfig, model_config, device: str) -> tuple[Eng
         f"{limits.max_num_batched_tokens} ({limits.reason}){target}"
     )
     return resolved, line
+
+
+def device_rates(device: str, dtype) -> DeviceRates:
+    """The GPU's rates for `dtype`, from the tuning cache or measured (and saved) now."""
+    import torch
+
+    from services.engine import tuning_cache
+
+    name = torch.cuda.get_device_name(torch.device(device))
+    key = tuning_cache.tuning_key(
+        device_name=name,
+        model_shape={"measure": "device rates"},
+        dtype=str(dtype),
+        code_version=RATES_VERSION,
+    )
+    saved = tuning_cache.load_choices(key)
+    if saved is not None:
+        try:
+            return DeviceRates(
+                float(saved["matmul_flops_per_s"]), float(saved["bandwidth_bytes_per_s"])
+            )
+        except (KeyError, TypeError, ValueError):
+            logger.warning("ignoring the saved device rates for %s: malformed", name)
+    rates = measure_device_rates(device, dtype)
+    logger.info(
+        "measured %s: %.0f TFLOP/s %s matmul, %.2f TB/s copy",
+        name,
+        rates.matmul_flops_per_s / 1e12,
+        dtype,
+        rates.bandwidth_bytes_per_s / 1e12,
+    )
+    tuning_cache.save_choices(key, dataclasses.asdict(rates), about={"device": name})
+    return rates
+
+
+RATES_VERSION = "rates-1"
+MATMUL_SIZE = 8192
+COPY_BYTES = 512 << 20
+
+
+def measure_device_rates(device: str, dtype) -> DeviceRates:
+    """A square matmul of MATMUL_SIZE in `dtype` and a COPY_BYTES device copy, each timed
+    as the median of a few runs after warm-up (about a second on a first start)."""
+    import torch
+
+    target = torch.device(device)
+
+    def timed() -> tuple[float, float]:
+        a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=target, dtype=dtype)
+        b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=target, dtype=dtype)
+        out = torch.empty_like(a)
+        source = torch.empty(COPY_BYTES, dtype=torch.uint8, device=target)
+        copy = torch.empty_like(source)
+        return (
+            _median_seconds(lambda: torch.mm(a, b, out=out), target),
+            _median_seconds(lambda: copy.copy_(source), target),
+        )
+
+    matmul_s, copy_s = timed()
+    torch.cuda.empty_cache()  # the buffers are gone with timed()'s frame
+    return DeviceRates(
+        matmul_flops_per_s=2.0 * MATMUL_SIZE**3 / matmul_s,
+        bandwidth_bytes_per_s=2.0 * COPY_BYTES / copy_s,
+    )
+
+
+def _median_seconds(work, device, *, warmup: int = 3, runs: int = 10) -> float:
+    import torch
+
+    with torch.cuda.device(device):
+        for _ in range(warmup):
+            work()
+        times = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def model_shape(config) -> ModelShape:

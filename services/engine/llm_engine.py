@@ -31,6 +31,7 @@ from services.common.errors import (
 )
 from services.common.protocol.adapter_record import AdapterRecord, validate_adapter_name
 from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
+from services.engine import compile_watch
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
@@ -423,6 +424,8 @@ class LLMEngine(OverlappedSteps):
             launches = self.adapters.warm_up((*plan.prefill_token_counts, *plan.decode_batches))
             logger.info("LoRA kernels warmed: %d launches", launches)
         self.rates.reset()
+        if str(self.runner.device).startswith("cuda"):
+            compile_watch.arm()  # a kernel compiled from here on is a serving stall: say so
         return report
 
     def _step(self) -> StepOutput:

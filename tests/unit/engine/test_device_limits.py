@@ -5,10 +5,13 @@ from __future__ import annotations
 from services.engine.config import EngineConfig
 from services.engine.device_limits import (
     GIB,
+    DeviceRates,
     ModelShape,
     model_shape,
     plan_limits,
     resolve_limits,
+    ridge_batch_cap,
+    ridge_rows,
 )
 from services.engine.models.config import ModelConfig
 
@@ -48,6 +51,30 @@ def test_smaller_cards_take_less_and_a_tight_cache_cuts_sequences():
     assert tight.max_num_seqs * 512 <= 24 * GIB
     small = plan(16.5, shape=LLAMA_3_8B)
     assert small.max_num_seqs == 16  # never below the floor
+
+
+H100_RATES = DeviceRates(matmul_flops_per_s=690e12, bandwidth_bytes_per_s=3.0e12)
+
+
+def test_the_ridge_is_the_matmul_rate_over_bandwidth_in_rows():
+    assert ridge_rows(H100_RATES, 2) == 230.0
+    # float32 weights: twice the bytes per weight, so twice the rows to the same ridge.
+    assert ridge_rows(H100_RATES, 4) == 460.0
+    # 1.5 x 230 = 345: the nearest choice is 384; a faster matmul moves it, ties go down.
+    assert ridge_batch_cap(H100_RATES, 2) == 384
+    assert ridge_batch_cap(DeviceRates(790e12, 3.0e12), 2) == 384
+    assert ridge_batch_cap(DeviceRates(312e12, 2.0e12), 2) == 256  # A100-like
+    assert ridge_batch_cap(DeviceRates(1e12, 3.0e12), 2) == 128  # never below the floor
+    assert ridge_batch_cap(DeviceRates(2000e12, 3.0e12), 2) == 512
+
+
+def test_measured_rates_cap_the_running_batch_unless_it_is_set():
+    capped = plan(79.6, rates=H100_RATES)
+    assert capped.max_num_seqs == 384 and capped.max_num_batched_tokens == 8192
+    assert "batch cap 384 from the ridge at 230 rows" in capped.reason
+    assert plan(79.6, rates=H100_RATES, max_num_seqs=512).max_num_seqs == 512
+    # The memory tier still bounds it: a 24 GB card keeps at most its 256.
+    assert plan(24, rates=DeviceRates(2000e12, 1.0e12)).max_num_seqs <= 256
 
 
 def test_explicit_values_win():

@@ -1,0 +1,280 @@
+"""Where a saturated engine's time goes: steps, kernels and the batch cap, on one GPU.
+
+Runs the `fixed` request set of benchmarks.gpu_stack (512 prompt / 256 output tokens, greedy,
+EOS ignored) through one warmed LLMEngine, as `LLM.generate` drives it, once per running-batch
+cap (`--caps`: the scheduler's max_num_seqs for that pass), and reports per pass the output
+tokens/s, every request's time per output token (TPOT: from its first token to its last, over
+the tokens between) and the step mix (decode-only steps vs steps that hold prompt tokens). The
+first pass also profiles `--profile-steps` steady steps with torch.profiler: GPU time by kernel
+family (matmul, attention, norm, ...) against the steps' wall time, so the gaps show. Triton
+kernels compiled after the warm-up are listed (a compile on the serving path is a slow first
+request).
+
+    python -m benchmarks.gpu_step_profile --requests 600 --caps 512,384,256 --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.gpu_stack import DEFAULT_MODEL, fixed_specs
+
+# Kernel families by substrings of the kernel name, first match wins.
+FAMILIES = (
+    ("lora", ("lora",)),
+    ("attention", ("attention", "attn", "flash", "fmha")),
+    ("matmul", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "skinny", "matmul", "sm90")),
+    ("norm", ("rms", "norm")),
+    ("rotary / kv store", ("rotary", "kv_store", "paged_kv")),
+    ("activation", ("swiglu", "silu")),
+    ("sampling", ("sort", "argmax", "softmax", "topk", "multinomial", "exponential", "sampl")),
+    ("copies", ("copy", "memcpy", "memset", "fill", "index", "gather", "scatter", "cat")),
+)
+
+
+def family(name: str) -> str:
+    lowered = name.lower()
+    for label, needles in FAMILIES:
+        if any(needle in lowered for needle in needles):
+            return label
+    return "other"
+
+
+def run_pass(engine: Any, specs: list, cap: int, profile_steps: int, tag: str) -> dict[str, Any]:
+    """One pass of `specs` under a running-batch cap; profiles steady steps if asked."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.common.protocol.sampling_params import SamplingParams
+
+    scheduler = engine.scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, max_num_seqs=cap)
+    for spec in specs:
+        params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"{tag}-{spec.index}", list(spec.prompt_token_ids), params)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    tokens: dict[str, int] = defaultdict(int)
+    steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, decoded tokens)
+    profile_from = 120
+    profiler = None
+    profiled: dict[str, Any] = {}
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        index = len(steps)
+        if profile_steps and index == profile_from:
+            torch.cuda.synchronize()
+            profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            profiler.__enter__()
+            profile_started = time.perf_counter()
+        output = engine.step()
+        now = time.perf_counter()
+        decoded = 0
+        for delta in output.deltas:
+            count = len(delta.new_token_ids)
+            decoded += count
+            if count:
+                first.setdefault(delta.request_id, now)
+                last[delta.request_id] = now
+                tokens[delta.request_id] += count
+        steps.append((output.step_time_s, max(output.num_batched_tokens - decoded, 0), decoded))
+        if profiler is not None and index == profile_from + profile_steps - 1:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - profile_started
+            profiler.__exit__(None, None, None)
+            profiled = kernel_breakdown(profiler, wall, steps[profile_from:])
+            profiler = None
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    tpot = [(last[r] - first[r]) / (tokens[r] - 1) * 1e3 for r in first if tokens[r] > 1]
+    step_ms = np.asarray([s[0] for s in steps]) * 1e3
+    mixed = [s for s in steps if s[1] > 0]
+    decode_only = [s for s in steps if s[1] == 0]
+    result = {
+        "max_num_seqs": cap,
+        "requests": len(specs),
+        "seconds": round(elapsed, 3),
+        "output_tok_s": round(sum(tokens.values()) / elapsed, 1),
+        "tpot_ms": percentiles(tpot),
+        "steps": len(steps),
+        "step_ms": percentiles(step_ms),
+        "mixed_steps": {"count": len(mixed), **mean_columns(mixed)},
+        "decode_steps": {"count": len(decode_only), **mean_columns(decode_only)},
+    }
+    if profiled:
+        result["profile"] = profiled
+    print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+    return result
+
+
+def low_load_pass(engine: Any, specs: list, rate: float, tag: str) -> dict[str, Any]:
+    """Requests arriving every 1/rate s on a fresh engine: each one's TTFT, in order."""
+    from services.common.protocol.sampling_params import SamplingParams
+
+    added: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    order: list[str] = []
+    started = time.perf_counter()
+    next_index = 0
+    while next_index < len(specs) or engine.has_unfinished():
+        now = time.perf_counter()
+        while next_index < len(specs) and now - started >= next_index / rate:
+            spec = specs[next_index]
+            request_id = f"{tag}-{spec.index}"
+            params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(request_id, list(spec.prompt_token_ids), params)
+            added[request_id] = time.perf_counter()
+            order.append(request_id)
+            next_index += 1
+        if not engine.has_unfinished():
+            time.sleep(0.0005)
+            continue
+        output = engine.step()
+        now = time.perf_counter()
+        for delta in output.deltas:
+            if delta.new_token_ids and delta.request_id not in ttft:
+                ttft[delta.request_id] = now - added[delta.request_id]
+    values = [round(ttft[r] * 1e3, 2) for r in order]
+    return {"rate": rate, "ttft_ms_in_order": values, "p50_after_10_ms": percentiles(values[10:])}
+
+
+def kernel_breakdown(profiler: Any, wall_s: float, steps: list) -> dict[str, Any]:
+    """GPU time by kernel family and the top kernels over the profiled steps."""
+    by_family: dict[str, float] = defaultdict(float)
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in profiler.events():
+        if event.device_type.name != "CUDA":
+            continue
+        micros = event.device_time
+        by_family[family(event.name)] += micros
+        entry = by_kernel[event.name]
+        entry[0] += micros
+        entry[1] += 1
+    gpu_us = sum(by_family.values())
+    top = sorted(by_kernel.items(), key=lambda item: -item[1][0])[:25]
+    return {
+        "steps": len(steps),
+        "wall_ms": round(wall_s * 1e3, 2),
+        "gpu_busy_ms": round(gpu_us / 1e3, 2),
+        "prefill_tokens": int(sum(s[1] for s in steps)),
+        "decoded_tokens": int(sum(s[2] for s in steps)),
+        "family_ms": {
+            k: round(v / 1e3, 2) for k, v in sorted(by_family.items(), key=lambda i: -i[1])
+        },
+        "top_kernels": [
+            {"name": name[:120], "ms": round(v[0] / 1e3, 3), "calls": v[1]} for name, v in top
+        ],
+    }
+
+
+def mean_columns(steps: list[tuple[float, int, int]]) -> dict[str, float]:
+    """Mean step ms, prompt tokens and decoded tokens of some steps."""
+    if not steps:
+        return {}
+    seconds, prefill, decoded = np.asarray(steps, dtype=float).T
+    return {
+        "step_ms": round(float(seconds.mean() * 1e3), 2),
+        "prefill_tokens": round(float(prefill.mean()), 1),
+        "decoded_tokens": round(float(decoded.mean()), 1),
+    }
+
+
+def percentiles(values: Any) -> dict[str, float]:
+    values = np.asarray(values, dtype=float)
+    if values.size == 0:
+        return {}
+    stats = {"mean": values.mean(), "p50": np.percentile(values, 50)}
+    stats.update({"p90": np.percentile(values, 90), "p99": np.percentile(values, 99)})
+    return {key: round(float(value), 2) for key, value in stats.items()}
+
+
+class CompileWatch:
+    """Triton kernels compiled (in-memory cache misses) while armed, with their compile time."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.compiled: list[dict[str, Any]] = []
+
+    def install(self) -> None:
+        from triton import knobs
+
+        def hook(*, key: Any, repr: str, fn: Any, compile: Any, **_: Any) -> bool:
+            if self.armed:
+                self.compiled.append({"kernel": repr[:200], "at": time.perf_counter()})
+            return False  # compile as usual
+
+        knobs.runtime.jit_cache_hook = hook
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_step_profile", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--requests", type=int, default=600, help="requests per pass")
+    parser.add_argument("--caps", default="512,384,256", help="max_num_seqs of each pass")
+    parser.add_argument("--profile-steps", type=int, default=40, help="0: no profile")
+    parser.add_argument("--low-requests", type=int, default=30, help="0: no low-load pass")
+    parser.add_argument("--low-rate", type=float, default=3.0, help="req/s of the low-load pass")
+    parser.add_argument("--target-step-ms", type=float, default=0.0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    from services.engine.config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+
+    watch = CompileWatch()
+    watch.install()
+    engine = LLMEngine(
+        EngineConfig(model=args.model, device="cuda", target_step_ms=args.target_step_ms)
+    )
+    warm = engine.warm_up()
+    print(warm.summary(), flush=True)
+    watch.armed = True
+    low_started = time.perf_counter()
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python -m benchmarks.gpu_step_profile " + " ".join(argv or []),
+        "model": args.model,
+        "engine": {
+            "max_num_seqs": engine.info.max_num_seqs,
+            "max_num_batched_tokens": engine.info.max_num_batched_tokens,
+            "target_step_ms": args.target_step_ms,
+        },
+        "passes": [],
+    }
+    specs = fixed_specs(args.requests)
+    if args.low_requests:
+        compiled_before = len(watch.compiled)
+        low = low_load_pass(engine, specs[: args.low_requests], args.low_rate, "low")
+        low["compiled_after_warm_up"] = [
+            {"kernel": entry["kernel"], "s_after_start": round(entry["at"] - low_started, 3)}
+            for entry in watch.compiled[compiled_before:]
+        ]
+        print(json.dumps(low), flush=True)
+        report["low_load"] = low
+    for number, cap in enumerate(int(value) for value in args.caps.split(",")):
+        compiled_before = len(watch.compiled)
+        result = run_pass(
+            engine, specs, cap, args.profile_steps if number == 0 else 0, f"pass{number}"
+        )
+        result["compiled_after_warm_up"] = [
+            entry["kernel"] for entry in watch.compiled[compiled_before:]
+        ]
+        report["passes"].append(result)
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""Triton kernels compiled after the warm-up: each one is a stall on a request's step.
+
+The warm-up (services/engine/warmup.py) runs every step shape an engine can take so that no
+request waits for a kernel to compile. A variant it missed (a new specialisation of an integer
+argument, a shape it did not plan) compiles on a serving step instead: tens of milliseconds
+from Triton's disk cache, seconds without one. `arm()` hooks Triton's JIT cache-miss callback
+once per process (chaining a hook that was there); from then on every miss is logged as a
+warning naming the kernel and its signature, and counted in
+`sluice_engine_kernel_compiles_after_warmup_total`, so a slow first request says why. Where
+Triton is not installed it does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from services.engine.metrics import ENGINE_LATE_KERNEL_COMPILES
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_armed = False
+
+
+def arm() -> bool:
+    """Watch Triton compiles from now on; False where Triton is missing. Idempotent."""
+    global _armed
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    with _lock:
+        if _armed:
+            return True
+        previous = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = _chained(previous)
+        _armed = True
+    return True
+
+
+def _chained(previous: Any):
+    def hook(**kwargs: Any) -> Any:
+        note_compile(str(kwargs.get("repr", "a Triton kernel")))
+        return previous(**kwargs) if previous is not None else False
+
+    return hook
+
+
+def note_compile(signature: str) -> None:
+    """Log and count one kernel variant compiled while serving."""
+    ENGINE_LATE_KERNEL_COMPILES.inc()
+    logger.warning(
+        "compiling a kernel variant the warm-up did not cover (a request's step waits): %s",
+        signature[:300],
+    )

@@ -17,11 +17,12 @@ input and output lengths). Greedy, EOS ignored. In order:
 2. The stack (`sluice up --no-ray --no-redis` as a Stack in this process, engine on CUDA,
    router with `--max-queue-delay-s`), fresh: a low Poisson rate first (the slowest and the
    mean of the first 10 requests' time to first token against the p50 of the rest), then each
-   set closed-loop at `--concurrency` (saturation: output tokens/s against the offline figure,
-   the router's and tokenizer's CPU seconds per streamed token), then Poisson rates as
-   multiples of the measured saturation rate (2x: the overload point; the admitted requests'
-   p99 TTFT and the goodput at a TTFT SLO of 2 s and a TPOT SLO of 50 ms against the saturation
-   request rate).
+   set closed-loop at `--concurrency` streams (by default the engines' max_num_seqs, the most
+   they run at once: more would wait in the queue) for saturation (output tokens/s against the
+   offline figure, the router's and tokenizer's CPU seconds per streamed token), then Poisson
+   rates as multiples of the measured saturation rate (2x: the overload point; the admitted
+   requests' p99 TTFT and the goodput at a TTFT SLO of 2 s and a TPOT SLO of 50 ms against the
+   saturation request rate).
 
 `--target-step-ms` gives the stack's engine a step-time target (chunked prefill sized so each
 step's predicted time stays within it; services/engine/step_budget.py), and
@@ -302,7 +303,7 @@ def _round(value: float | None) -> float | None:
 def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
     from loadtest.arrivals import arrival_times
     from services.common.ports import free_port
-    from services.launcher import Stack, StackConfig, describe_engines
+    from services.launcher import Stack, StackConfig, describe_engines, engine_info
 
     log_dir = Path(tempfile.mkdtemp(prefix="gpu-stack-"))
     config = StackConfig(
@@ -337,14 +338,19 @@ def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
             report["first10_ttft_over_p50"] = round(max(first) * 1e3 / steady, 3)
             report["first10_ttft_mean_over_p50"] = round(np.mean(first) * 1e3 / steady, 3)
         save()
-        # 2. Saturation: each set closed-loop.
+        # 2. Saturation: each set closed-loop, by default as many streams as the engines run
+        # at once (more would only queue, and the queue-delay bound refuses what waits long).
+        concurrency = args.concurrency or sum(
+            engine_info(address).max_num_seqs for address in stack.engine_addresses
+        )
+        stack_report["saturation_concurrency"] = concurrency
         for name, specs in sets.items():
             if _time_left(args) < 60:
                 stack_report[f"saturation_{name}"] = {"skipped": "out of time"}
                 continue
             times = [0.0] * len(specs)
             phase = _phase(
-                f"saturation-{name}", specs, times, concurrency=args.concurrency,
+                f"saturation-{name}", specs, times, concurrency=concurrency,
                 workers=args.workers, **common,
             )  # fmt: skip
             stack_report[f"saturation_{name}"] = phase
@@ -432,7 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run")
     parser.add_argument("--num-requests", type=int, default=1000, help="requests per set")
-    parser.add_argument("--concurrency", type=int, default=512, help="closed-loop streams")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help="closed-loop streams (default 0: the engines' max_num_seqs, summed)",
+    )
     parser.add_argument("--workers", type=int, default=4, help="load-generator processes")
     parser.add_argument("--low-rate", type=float, default=2.0, help="req/s of the fresh stack")
     parser.add_argument("--low-requests", type=int, default=40)

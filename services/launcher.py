@@ -454,19 +454,26 @@ class Stack:
                 signal.signal(signum, handler)
 
 
-def describe_engines(addresses: Sequence[str], timeout_s: float = 5.0) -> list[str]:
-    """One line per engine: its device, dtype, step limits and how its steps run (from Info)."""
+def engine_info(address: str, timeout_s: float = 5.0):
+    """The engine's Info reply (engine_pb2.EngineInfo); raises grpc.RpcError."""
     import grpc
 
     from protos.sluice.v1 import engine_pb2, engine_pb2_grpc
 
+    with grpc.insecure_channel(address) as channel:
+        return engine_pb2_grpc.EngineStub(channel).Info(
+            engine_pb2.EngineInfoRequest(), timeout=timeout_s
+        )
+
+
+def describe_engines(addresses: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+    """One line per engine: its device, dtype, step limits and how its steps run (from Info)."""
+    import grpc
+
     lines = []
     for address in addresses:
         try:
-            with grpc.insecure_channel(address) as channel:
-                info = engine_pb2_grpc.EngineStub(channel).Info(
-                    engine_pb2.EngineInfoRequest(), timeout=timeout_s
-                )
+            info = engine_info(address, timeout_s)
         except grpc.RpcError as error:
             lines.append(f"engine at {address}: no Info ({error.code().name})")
             continue

@@ -42,10 +42,23 @@ def arm() -> bool:
 
 def _chained(previous: Any):
     def hook(**kwargs: Any) -> Any:
-        note_compile(str(kwargs.get("repr", "a Triton kernel")))
+        note_compile(describe(kwargs))
         return previous(**kwargs) if previous is not None else False
 
     return hook
+
+
+def describe(kwargs: dict[str, Any]) -> str:
+    """The kernel's name and what its variant is specialised on (constants, argument
+    attributes such as divisibility by 16), from the keywords Triton passes the hook."""
+    fn = kwargs.get("fn")
+    name = getattr(fn, "name", None) or str(kwargs.get("repr", "a Triton kernel")).split("[")[0]
+    compile_args = kwargs.get("compile")
+    if not isinstance(compile_args, dict):
+        return name
+    constants = compile_args.get("constants")
+    configs = compile_args.get("configs")
+    return f"{name} (constants {constants}; argument attributes {configs})"
 
 
 def note_compile(signature: str) -> None:
@@ -53,5 +66,5 @@ def note_compile(signature: str) -> None:
     ENGINE_LATE_KERNEL_COMPILES.inc()
     logger.warning(
         "compiling a kernel variant the warm-up did not cover (a request's step waits): %s",
-        signature[:300],
+        signature[:600],
     )

@@ -18,7 +18,9 @@ from services.engine.kernels.triton.paged_kv import load_kv_tile
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The block table's width follows the step's longest sequence: not specialised, so a width
+# the warm-up did not see (a multiple of 16, or 1) compiles no new variant on a serving step.
+@triton.jit(do_not_specialize=["block_table_stride"])
 def _prefill_kernel(
     q_ptr,
     key_cache_ptr,

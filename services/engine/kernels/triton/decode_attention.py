@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from services.common.errors import InvalidArgumentError
-from services.engine.kernels.triton.paged_kv import load_kv_tile
+from services.engine.kernels.triton.paged_kv import attention_output, load_kv_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -186,17 +186,19 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     counters: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query [B, heads, head_dim] (one token each) over the paged cache -> same shape.
 
     seq_lens [B] int32 counts the cached tokens including this step's (already written).
     counters: zeroed int32 [>= B * kv_heads] (kept zeroed) lets the last split to finish merge
-    the splits in the same kernel; without it a second kernel merges them.
+    the splits in the same kernel; without it a second kernel merges them. out: where to write
+    (contiguous, query's shape and dtype; by default a new tensor).
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    out = attention_output(query, out)
     if batch == 0:
         return out
     if num_splits is None:

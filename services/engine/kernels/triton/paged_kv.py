@@ -1,4 +1,5 @@
-"""The paged-KV tile load shared by the decode and prefill attention kernels.
+"""The paged-KV tile load shared by the decode and prefill attention kernels (and the check of
+an output buffer they are given).
 
 A tile is BLOCK_N consecutive token positions of one sequence; each position is found through
 the sequence's block table (slot = block * BLOCK_SIZE + offset) in caches laid out
@@ -7,8 +8,20 @@ the sequence's block table (slot = block * BLOCK_SIZE + offset) in caches laid o
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from services.common.errors import InvalidArgumentError
+
+
+def attention_output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` checked against query, or a new tensor like it."""
+    if out is None:
+        return torch.empty_like(query)
+    if out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise InvalidArgumentError("attention out must be contiguous, of query's shape and dtype")
+    return out
 
 
 @triton.jit

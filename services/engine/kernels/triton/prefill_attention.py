@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.triton.paged_kv import load_kv_tile
+from services.engine.kernels.triton.paged_kv import attention_output, load_kv_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -109,16 +109,18 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, heads, head_dim] over the paged cache -> same shape.
 
     query_start_loc [B + 1] int32, seq_lens [B] int32 (cached tokens after this step, the
-    step's own keys/values already written). max_query_len sizes the grid.
+    step's own keys/values already written). max_query_len sizes the grid. out: where to
+    write (contiguous, query's shape and dtype; by default a new tensor).
     """
     tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     batch = seq_lens.shape[0]
-    out = torch.empty_like(query)
+    out = attention_output(query, out)
     if tokens == 0 or batch == 0:
         return out
     query = query.contiguous()

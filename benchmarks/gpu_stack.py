@@ -18,7 +18,8 @@ input and output lengths). Greedy, EOS ignored. In order:
    router with `--max-queue-delay-s`), fresh: a low Poisson rate first (the slowest and the
    mean of the first 10 requests' time to first token against the p50 of the rest), then each
    set closed-loop at `--concurrency` streams (by default the engines' max_num_seqs, the most
-   they run at once: more would wait in the queue) for saturation (output tokens/s against the
+   they run at once: more would wait in the queue; the streams start spread over `--ramp-s`)
+   for saturation (output tokens/s against the
    offline figure, the router's and tokenizer's CPU seconds per streamed token), then Poisson
    rates as multiples of the measured saturation rate (2x: the overload point; the admitted
    requests' p99 TTFT and the goodput at a TTFT SLO of 2 s and a TPOT SLO of 50 ms against the
@@ -348,7 +349,7 @@ def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
             if _time_left(args) < 60:
                 stack_report[f"saturation_{name}"] = {"skipped": "out of time"}
                 continue
-            times = [0.0] * len(specs)
+            times = ramp_times(len(specs), concurrency, args.ramp_s)
             phase = _phase(
                 f"saturation-{name}", specs, times, concurrency=concurrency,
                 workers=args.workers, **common,
@@ -389,6 +390,14 @@ def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
         stack_report["engine_log"] = _engine_log_lines(log_dir)
         stack.stop()
         save()
+
+
+def ramp_times(count: int, streams: int, ramp_s: float) -> list[float]:
+    """Send times of a closed loop whose `streams` first requests start spread over `ramp_s`
+    (the rest are sent as streams free up): a burst of every stream at once would ask the
+    engines to prefill all their prompts before any first token, which the router's
+    queue-delay bound rightly refuses."""
+    return [ramp_s * min(index, streams) / max(streams, 1) for index in range(count)]
 
 
 def _engine_log_lines(log_dir: Path) -> list[str]:
@@ -445,6 +454,13 @@ def main(argv: list[str] | None = None) -> int:
         help="closed-loop streams (default 0: the engines' max_num_seqs, summed)",
     )
     parser.add_argument("--workers", type=int, default=4, help="load-generator processes")
+    parser.add_argument(
+        "--ramp-s",
+        type=float,
+        default=6.0,
+        help="closed-loop streams start spread over this many seconds (default 6: about what "
+        "an H100 takes to prefill 384 prompts of 512 tokens)",
+    )
     parser.add_argument("--low-rate", type=float, default=2.0, help="req/s of the fresh stack")
     parser.add_argument("--low-requests", type=int, default=40)
     parser.add_argument("--rate-multiples", default="0.5,2", help="Poisson rates x saturation")

@@ -58,6 +58,11 @@ class BenchConfig:
     scrape_interval_s: float = field(0.5, help="seconds between metric scrapes")
     grpc_channels: int = field(4, help="gRPC channels per load-generator process")
     timeout_s: float = field(600.0, help="per-request timeout in seconds")
+    retries: int = field(
+        0,
+        help="send a request refused with RESOURCE_EXHAUSTED (HTTP 429) again after the "
+        "server's retry-after, up to N times (its TTFT counts from the first send)",
+    )
     temperature: float = field(0.0, help="sampling temperature sent with each request")
     lag_warning_ms: float = field(50.0, help="warn when a request leaves this late")
     progress: bool = field(True, help="show a progress bar")
@@ -73,6 +78,8 @@ class BenchConfig:
             raise InvalidArgumentError(f"--duration-s must be > 0, got {self.duration_s}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise InvalidArgumentError("--max-concurrency must be >= 1")
+        if self.retries < 0:
+            raise InvalidArgumentError(f"--retries must be >= 0, got {self.retries}")
         if self.workers < 1 or self.grpc_channels < 1:
             raise InvalidArgumentError("--workers and --grpc-channels must be >= 1")
         if not self.timeout_s > 0 or not self.scrape_interval_s > 0:
@@ -110,4 +117,5 @@ class BenchConfig:
             timeout_s=self.timeout_s,
             temperature=self.temperature,
             api_key=self.api_key,
+            retries=self.retries,
         )

@@ -121,6 +121,7 @@ class GrpcClient:
         except grpc.aio.AioRpcError as error:
             record.status = error.code().name
             record.error = error.details() or ""
+            record.retry_after_s = retry_after_s(error.trailing_metadata())
         except Exception as error:  # noqa: BLE001 - any client failure is a recorded outcome
             record.status = "UNKNOWN"
             record.error = f"{type(error).__name__}: {error}"
@@ -130,6 +131,17 @@ class GrpcClient:
             record.error = record.error or "finish_reason ERROR"
         if usage_tokens is not None and record.status == "OK":
             record.output_tokens = max(record.output_tokens, usage_tokens)
+
+
+def retry_after_s(metadata) -> float | None:
+    """The server's retry-after hint in trailing metadata, in seconds (None: none given)."""
+    for key, value in metadata or ():
+        if key == "retry-after":
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 def served_model(

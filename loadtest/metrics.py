@@ -124,6 +124,9 @@ def details(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "completed": statuses.get("OK", 0),
         "errors": {name: count for name, count in sorted(statuses.items()) if name != "OK"},
         "cancelled_by_harness": sum(1 for r in records if r.cancelled),
+        # Sends again after RESOURCE_EXHAUSTED (--retries), and the requests that needed one.
+        "retries": sum(r.retries for r in records),
+        "retried_requests": sum(1 for r in records if r.retries),
         # Successful requests that stopped before the asked-for length (ignore_eos not honoured).
         "ok_short_of_output_length": sum(
             1 for r in records if r.status == "OK" and r.output_tokens < r.expected_output_tokens

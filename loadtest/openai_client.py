@@ -126,6 +126,7 @@ class OpenAIClient:
                 if response.status != 200:
                     record.status = HTTP_TO_GRPC.get(response.status, "UNKNOWN")
                     record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                    record.retry_after_s = _seconds(response.headers.get("Retry-After"))
                 else:
                     usage_tokens = await self._read_stream(response, spec, record, clock)
         except asyncio.TimeoutError:
@@ -183,3 +184,11 @@ class OpenAIClient:
         if record.status != "OK":
             record.error = "stream ended before a finish_reason"
         return usage_tokens
+
+
+def _seconds(value: str | None) -> float | None:
+    """A Retry-After header given in seconds (None: absent or an HTTP date)."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

@@ -32,6 +32,8 @@ class RequestRecord:
     error: str = ""
     finish_reason: str = ""
     cancelled: bool = False
+    retries: int = 0  # sends again after RESOURCE_EXHAUSTED (ClientOptions.retries)
+    retry_after_s: float | None = None  # the server's hint with the last refusal
 
     def add_chunk(self, at_s: float, tokens: int) -> None:
         """A streamed piece with `tokens` new tokens arrived at `at_s`."""
@@ -111,6 +113,7 @@ class RequestRecord:
             "error": self.error,
             "finish_reason": self.finish_reason,
             "cancelled": self.cancelled,
+            "retries": self.retries,
             "adapter": self.adapter,
             "worker": self.worker,
         }

@@ -59,7 +59,8 @@ def markdown(report: Mapping[str, Any]) -> str:
     lines += [
         "",
         f"- Requests: {info.get('num_requests', '-')}, OK: {info.get('completed', '-')}, "
-        f"errors: {info.get('errors') or 'none'}",
+        f"errors: {info.get('errors') or 'none'}, retried: {info.get('retried_requests', 0)} "
+        f"({info.get('retries', 0)} retries)",
         f"- Request throughput: {_cell(summary['request_throughput'])} req/s",
         f"- Output token throughput: {_cell(summary['output_token_throughput'])} tokens/s",
         f"- Goodput: {_cell(summary['goodput'])} req/s (SLO ms: {info.get('slo_ms') or 'none'})",

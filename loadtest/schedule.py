@@ -20,6 +20,9 @@ from services.common.errors import InvalidArgumentError
 
 START_MARGIN_S = 0.05
 _LAG_WARNING_EVERY_S = 5.0
+# Retries of refused requests: the wait without a server hint, and the longest wait taken.
+DEFAULT_RETRY_AFTER_S = 1.0
+MAX_RETRY_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ class ClientOptions:
     timeout_s: float | None = 600.0
     temperature: float = 0.0
     api_key: str | None = None
+    # A request refused with RESOURCE_EXHAUSTED before any token is sent again after the
+    # server's retry-after, up to this many times; its TTFT counts from the first send.
+    retries: int = 0
 
     def make_client(self) -> object:
         """A GrpcClient or OpenAIClient (not started)."""
@@ -119,8 +125,12 @@ async def run_schedule(
     worker: int = 0,
     on_done: Callable[[RequestRecord], None] | None = None,
     on_dispatch: Callable[[RequestRecord], None] | None = None,
+    retries: int = 0,
 ) -> list[RequestRecord]:
-    """Send `specs[i]` at `times_s[i]` seconds after `start_epoch_s`; return their records."""
+    """Send `specs[i]` at `times_s[i]` seconds after `start_epoch_s`; return their records.
+    A request refused with RESOURCE_EXHAUSTED (no token yet) goes again after the server's
+    retry-after (DEFAULT_RETRY_AFTER_S without one, at most MAX_RETRY_WAIT_S), up to `retries`
+    times; its send time stays the first one, so its TTFT includes the waits."""
     if len(specs) != len(times_s):
         raise InvalidArgumentError("one scheduled time per request is needed")
     clock = run_clock(start_epoch_s)
@@ -137,7 +147,7 @@ async def run_schedule(
         for spec, at in zip(specs, times_s, strict=True)
     ]
 
-    async def send(spec: RequestSpec, record: RequestRecord) -> None:
+    async def attempt(spec: RequestSpec, record: RequestRecord) -> None:
         try:
             await client.send(spec, record, clock)  # type: ignore[attr-defined]
         except Exception as error:  # noqa: BLE001 - one broken request must not end the run
@@ -146,6 +156,20 @@ async def run_schedule(
             if record.sent_s is None:
                 record.sent_s = clock()
             record.finished_s = clock()
+
+    async def send(spec: RequestSpec, record: RequestRecord) -> None:
+        await attempt(spec, record)
+        first_sent = record.sent_s
+        while record.status == "RESOURCE_EXHAUSTED" and not record.output_tokens:
+            if record.retries >= retries:
+                break
+            wait = record.retry_after_s
+            wait = DEFAULT_RETRY_AFTER_S if wait is None else wait
+            await asyncio.sleep(min(max(wait, 0.0), MAX_RETRY_WAIT_S))
+            record.retries += 1
+            record.status, record.error, record.retry_after_s = "UNKNOWN", "", None
+            await attempt(spec, record)
+        record.sent_s = first_sent if first_sent is not None else record.sent_s
 
     async def one(spec: RequestSpec, record: RequestRecord) -> None:
         if slots is None:
@@ -194,6 +218,7 @@ async def run_in_loop(
             worker=worker,
             on_done=on_done,
             on_dispatch=on_dispatch,
+            retries=options.retries,
         )
     finally:
         await client.close()  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -244,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python -m benchmarks.gpu_step_profile " + " ".join(argv or []),
+        "command": "python -m benchmarks.gpu_step_profile "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "model": args.model,
         "engine": {
             "max_num_seqs": engine.info.max_num_seqs,

@@ -20,7 +20,10 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _paged_setup(seq_lens, query_lens, num_heads, kv_heads, head_dim, block_size, generator):
+def paged_setup(
+    seq_lens, query_lens, num_heads, kv_heads, head_dim, block_size, generator,
+    device=DEVICE, dtype=DTYPE,
+):  # fmt: skip
     """Random caches, shuffled block tables and metadata for sequences of the given lengths."""
     blocks_needed = [-(-length // block_size) for length in seq_lens]
     num_blocks = sum(blocks_needed) + 3
@@ -31,19 +34,19 @@ def _paged_setup(seq_lens, query_lens, num_heads, kv_heads, head_dim, block_size
         tables[index, :count] = permutation[used : used + count].to(torch.int32)
         used += count
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(DTYPE).to(DEVICE)
-    value_cache = torch.randn(shape, generator=generator).to(DTYPE).to(DEVICE)
+    key_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
+    value_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
     starts = [0]
     for length in query_lens:
         starts.append(starts[-1] + length)
-    query = torch.randn((starts[-1], num_heads, head_dim), generator=generator).to(DTYPE)
+    query = torch.randn((starts[-1], num_heads, head_dim), generator=generator).to(dtype)
     return (
-        query.to(DEVICE),
+        query.to(device),
         key_cache,
         value_cache,
-        tables.to(DEVICE),
-        torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        tables.to(device),
+        torch.tensor(starts, dtype=torch.int32, device=device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )
 
 
@@ -107,7 +110,7 @@ def test_decode_attention_matches_reference(seq_lens, heads, kv_heads, head_dim)
 
     generator = torch.Generator().manual_seed(sum(seq_lens) + heads)
     lengths_for_blocks = [max(1, length) for length in seq_lens]
-    query, key_cache, value_cache, tables, starts, lens = _paged_setup(
+    query, key_cache, value_cache, tables, starts, lens = paged_setup(
         lengths_for_blocks, [1] * len(seq_lens), heads, kv_heads, head_dim, 16, generator
     )
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
@@ -136,7 +139,7 @@ def test_prefill_attention_matches_reference(seq_lens, query_lens, heads, kv_hea
     from services.engine.kernels.triton.prefill_attention import paged_prefill_attention
 
     generator = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
-    query, key_cache, value_cache, tables, starts, lens = _paged_setup(
+    query, key_cache, value_cache, tables, starts, lens = paged_setup(
         seq_lens, query_lens, heads, kv_heads, head_dim, 16, generator
     )
     scale = head_dim**-0.5

@@ -11,6 +11,7 @@ import torch
 from services.engine.backends.cuda_attention import CudaPagedAttention
 from services.engine.kernels import reference
 from services.engine.layers.attention_metadata import AttentionMetadata
+from tests.gpu.test_kernels import paged_setup
 
 
 def check_mixed_step(
@@ -27,38 +28,27 @@ def check_mixed_step(
 ) -> tuple[int, float]:
     """(decodes taken by the decode kernel, relative error against the reference)."""
     generator = torch.Generator().manual_seed(sum(seq_lens) * 7 + head_dim)
-    blocks_needed = [-(-length // block_size) for length in seq_lens]
-    num_blocks = sum(blocks_needed) + 3
-    permutation = torch.randperm(num_blocks, generator=generator)
-    tables = torch.zeros((len(seq_lens), max(blocks_needed)), dtype=torch.int32)
-    used = 0
-    for index, count in enumerate(blocks_needed):
-        tables[index, :count] = permutation[used : used + count].to(torch.int32)
-        used += count
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
-    value_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
-    starts = [0]
-    for length in query_lens:
-        starts.append(starts[-1] + length)
-    query = torch.randn((starts[-1], heads, head_dim), generator=generator).to(dtype).to(device)
+    query, key_cache, value_cache, tables, starts, lens = paged_setup(
+        seq_lens, query_lens, heads, kv_heads, head_dim, block_size, generator, device, dtype
+    )
+    starts_host = starts.tolist()
     contexts = [length - q for length, q in zip(seq_lens, query_lens, strict=True)]
 
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
 
     metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64, device=device),
-        query_start_loc=tensor(starts),
-        seq_lens=tensor(seq_lens),
+        slot_mapping=torch.zeros(starts_host[-1], dtype=torch.int64, device=device),
+        query_start_loc=starts,
+        seq_lens=lens,
         context_lens=tensor(contexts),
-        block_tables=tables.to(device),
+        block_tables=tables,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         is_pure_decode=False,
         logits_indices=torch.zeros(1, dtype=torch.int64, device=device),
         block_size=block_size,
-        query_start_loc_host=starts,
+        query_start_loc_host=starts_host,
         seq_lens_host=list(seq_lens),
         context_lens_host=contexts,
     )

@@ -197,24 +197,6 @@ def percentiles(values: Any) -> dict[str, float]:
     return {key: round(float(value), 2) for key, value in stats.items()}
 
 
-class CompileWatch:
-    """Triton kernels compiled (in-memory cache misses) while armed, with their compile time."""
-
-    def __init__(self) -> None:
-        self.armed = False
-        self.compiled: list[dict[str, Any]] = []
-
-    def install(self) -> None:
-        from triton import knobs
-
-        def hook(*, key: Any, repr: str, fn: Any, compile: Any, **_: Any) -> bool:
-            if self.armed:
-                self.compiled.append({"kernel": repr[:200], "at": time.perf_counter()})
-            return False  # compile as usual
-
-        knobs.runtime.jit_cache_hook = hook
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu_step_profile", description=__doc__.splitlines()[0]
@@ -230,18 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from services.engine import compile_watch
     from services.engine.config import EngineConfig
     from services.engine.llm_engine import LLMEngine
 
-    watch = CompileWatch()
-    watch.install()
     engine = LLMEngine(
         EngineConfig(model=args.model, device="cuda", target_step_ms=args.target_step_ms)
     )
     warm = engine.warm_up()
-    print(warm.summary(), flush=True)
-    watch.armed = True
-    low_started = time.perf_counter()
+    print(warm.summary(), flush=True)  # the warm-up armed the engine's compile watch
+    low_started = time.monotonic()
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -257,21 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     specs = fixed_specs(args.requests)
     if args.low_requests:
-        compiled_before = len(watch.compiled)
+        compiled_before = len(compile_watch.late_compiles())
         low = low_load_pass(engine, specs[: args.low_requests], args.low_rate, "low")
         low["compiled_after_warm_up"] = [
-            {"kernel": entry["kernel"], "s_after_start": round(entry["at"] - low_started, 3)}
-            for entry in watch.compiled[compiled_before:]
+            {"kernel": what, "s_after_start": round(at - low_started, 3)}
+            for at, what in compile_watch.late_compiles()[compiled_before:]
         ]
         print(json.dumps(low), flush=True)
         report["low_load"] = low
     for number, cap in enumerate(int(value) for value in args.caps.split(",")):
-        compiled_before = len(watch.compiled)
+        compiled_before = len(compile_watch.late_compiles())
         result = run_pass(
             engine, specs, cap, args.profile_steps if number == 0 else 0, f"pass{number}"
         )
         result["compiled_after_warm_up"] = [
-            entry["kernel"] for entry in watch.compiled[compiled_before:]
+            what for _, what in compile_watch.late_compiles()[compiled_before:]
         ]
         report["passes"].append(result)
         args.out.write_text(json.dumps(report, indent=1))

@@ -6,14 +6,15 @@ argument, a shape it did not plan) compiles on a serving step instead: tens of m
 from Triton's disk cache, seconds without one. `arm()` hooks Triton's JIT cache-miss callback
 once per process (chaining a hook that was there); from then on every miss is logged as a
 warning naming the kernel and its signature, and counted in
-`sluice_engine_kernel_compiles_after_warmup_total`, so a slow first request says why. Where
-Triton is not installed it does nothing.
+`sluice_engine_kernel_compiles_after_warmup_total`, so a slow first request says why; the
+latest are kept for benchmarks (`late_compiles`). Where Triton is not installed it does nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from services.engine.metrics import ENGINE_LATE_KERNEL_COMPILES
@@ -22,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _armed = False
+# The latest late compiles: (time.monotonic(), description), oldest first (at most KEEP).
+KEEP = 100
+_late: list[tuple[float, str]] = []
 
 
 def arm() -> bool:
@@ -61,9 +65,18 @@ def describe(kwargs: dict[str, Any]) -> str:
     return f"{name} (constants {constants}; argument attributes {configs})"
 
 
+def late_compiles() -> list[tuple[float, str]]:
+    """The latest kernel variants compiled after the warm-up: (time.monotonic(), what)."""
+    with _lock:
+        return list(_late)
+
+
 def note_compile(signature: str) -> None:
-    """Log and count one kernel variant compiled while serving."""
+    """Log, count and keep one kernel variant compiled while serving."""
     ENGINE_LATE_KERNEL_COMPILES.inc()
+    with _lock:
+        _late.append((time.monotonic(), signature))
+        del _late[:-KEEP]
     logger.warning(
         "compiling a kernel variant the warm-up did not cover (a request's step waits): %s",
         signature[:600],

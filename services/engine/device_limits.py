@@ -204,8 +204,10 @@ def resolve_limits(config: EngineConfig, model_config, device: str) -> tuple[Eng
     return resolved, line
 
 
-def device_rates(device: str, dtype) -> DeviceRates:
-    """The GPU's rates for `dtype`, from the tuning cache or measured (and saved) now."""
+def device_rates(device: str, dtype) -> DeviceRates | None:
+    """The GPU's rates for `dtype`, from the tuning cache or measured (and saved) now; None
+    when the measurement's buffers do not fit (the GPU already holds a model and its cache):
+    the running batch then keeps the memory tier's cap."""
     import torch
 
     from services.engine import tuning_cache
@@ -225,7 +227,12 @@ def device_rates(device: str, dtype) -> DeviceRates:
             )
         except (KeyError, TypeError, ValueError):
             logger.warning("ignoring the saved device rates for %s: malformed", name)
-    rates = measure_device_rates(device, dtype)
+    try:
+        rates = measure_device_rates(device, dtype)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        logger.warning("no room on %s to measure its rates: the batch cap stays the tier's", name)
+        return None
     logger.info(
         "measured %s: %.0f TFLOP/s %s matmul, %.2f TB/s copy",
         name,

@@ -18,6 +18,7 @@ def test_a_late_compile_is_counted_and_logged(caplog):
         compile_watch.note_compile("_decode_split_kernel[num_warps=4](q: *bf16, n: i32)")
     assert ENGINE_LATE_KERNEL_COMPILES._value.get() == before + 1
     assert "_decode_split_kernel" in caplog.text and "warm-up did not cover" in caplog.text
+    assert compile_watch.late_compiles()[-1][1].startswith("_decode_split_kernel")
 
 
 def test_arm_installs_a_hook_that_chains_the_previous_one(monkeypatch):

@@ -118,3 +118,29 @@ def test_model_shape_counts_parameters():
     shape = model_shape(config)
     assert 7.9e9 < shape.parameter_count < 8.1e9
     assert shape.num_kv_heads == 8 and shape.head_dim == 128
+
+
+def test_device_rates_come_from_the_tuning_cache_or_a_measurement(tmp_path, monkeypatch):
+    import torch
+
+    from services.engine import device_limits
+
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    measured = []
+
+    def measure(device, dtype):
+        measured.append(dtype)
+        return H100_RATES
+
+    monkeypatch.setattr(device_limits, "measure_device_rates", measure)
+    assert device_limits.device_rates("cuda", torch.bfloat16) == H100_RATES
+    assert device_limits.device_rates("cuda", torch.bfloat16) == H100_RATES  # from the cache
+    assert measured == [torch.bfloat16]
+
+    def no_room(device, dtype):
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(device_limits, "measure_device_rates", no_room)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert device_limits.device_rates("cuda", torch.float32) is None  # not cached for fp32

@@ -167,7 +167,11 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--max-queued-requests", type=int, help="router: queue bound (requests)")
     up.add_argument("--max-queued-tokens", type=int, help="router: queue bound (prompt tokens)")
     up.add_argument("--kv-cache-bytes", type=int, help="engines: bytes of KV cache each")
-    up.add_argument("--max-num-seqs", type=int, help="engines: most sequences per step")
+    up.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="engines: most sequences per step (default sized from the device: 384 on an H100)",
+    )
     up.add_argument(
         "--target-step-ms",
         type=float,

@@ -57,7 +57,8 @@ class EngineConfig:
     max_num_seqs: int | None = field(
         None,
         help="most sequences in one forward step (default: 256 on CPU; on CUDA sized from the "
-        "GPU's memory and the model, 512 on an 80 GB card: services/engine/device_limits.py)",
+        "GPU's memory, the model and its matmul rate over bandwidth, 384 on an H100: "
+        "services/engine/device_limits.py)",
     )
     max_num_batched_tokens: int | None = field(
         None,

@@ -354,7 +354,7 @@ def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
             if _time_left(args) < 60:
                 stack_report[f"saturation_{name}"] = {"skipped": "out of time"}
                 continue
-            times = ramp_times(len(specs), concurrency, args.ramp_s)
+            times = [0.0] * len(specs)
             phase = _phase(
                 f"saturation-{name}", specs, times, concurrency=concurrency,
                 workers=args.workers, retries=SATURATION_RETRIES, **common,
@@ -402,14 +402,6 @@ def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
 # a client would; the engines meanwhile work through what was admitted. Its TTFT counts from
 # the first send.
 SATURATION_RETRIES = 100
-
-
-def ramp_times(count: int, streams: int, ramp_s: float) -> list[float]:
-    """Send times of a closed loop whose `streams` first requests start spread over `ramp_s`
-    (the rest are sent as streams free up): a burst of every stream at once would ask the
-    engines to prefill all their prompts before any first token, which the router's
-    queue-delay bound rightly refuses."""
-    return [ramp_s * min(index, streams) / max(streams, 1) for index in range(count)]
 
 
 def _engine_log_lines(log_dir: Path) -> list[str]:
@@ -466,12 +458,6 @@ def main(argv: list[str] | None = None) -> int:
         help="closed-loop streams (default 0: the engines' max_num_seqs, summed)",
     )
     parser.add_argument("--workers", type=int, default=4, help="load-generator processes")
-    parser.add_argument(
-        "--ramp-s",
-        type=float,
-        default=0.0,
-        help="closed-loop streams start spread over this many seconds (default 0: at once)",
-    )
     parser.add_argument("--low-rate", type=float, default=2.0, help="req/s of the fresh stack")
     parser.add_argument("--low-requests", type=int, default=40)
     parser.add_argument("--rate-multiples", default="0.5,2", help="Poisson rates x saturation")

@@ -64,12 +64,3 @@ def test_step_time_percentiles_are_in_ms():
     stats = _percentiles_ms([0.010] * 9 + [0.110])
     assert stats["p50"] == 10.0 and stats["max"] == 110.0 and stats["mean"] == 20.0
     assert _percentiles_ms([]) == {}
-
-
-def test_closed_loop_streams_start_over_the_ramp():
-    from benchmarks.gpu_stack import ramp_times
-
-    times = ramp_times(10, 4, 2.0)
-    assert times[:4] == [0.0, 0.5, 1.0, 1.5]
-    assert times[4:] == [2.0] * 6  # the rest go as streams free up
-    assert ramp_times(3, 4, 0.0) == [0.0, 0.0, 0.0]

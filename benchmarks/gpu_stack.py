@@ -210,7 +210,7 @@ def run_offline(
             "output_tokens": output_tokens,
             "seconds": round(elapsed, 3),
             "steps": steps,
-            "step_ms": _percentiles_ms(step_s),
+            "step_ms": percentiles_ms(step_s),
             "output_tok_s": round(output_tokens / elapsed, 1),
             "overlapped_steps": engine.num_overlapped_steps,
             "preemptions": engine.num_preemptions,
@@ -221,7 +221,7 @@ def run_offline(
         print(name, json.dumps(result[name]), flush=True)
 
 
-def _percentiles_ms(seconds: list[float]) -> dict[str, float]:
+def percentiles_ms(seconds: list[float]) -> dict[str, float]:
     """Mean, p50, p90, p99 and max of step times, in ms."""
     if not seconds:
         return {}

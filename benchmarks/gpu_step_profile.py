@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.gpu_stack import DEFAULT_MODEL, fixed_specs
+from benchmarks.gpu_stack import DEFAULT_MODEL, fixed_specs, percentiles_ms
 
 # Kernel families by substrings of the kernel name, first match wins.
 FAMILIES = (
@@ -95,8 +95,7 @@ def run_pass(engine: Any, specs: list, cap: int, profile_steps: int, tag: str) -
             profiler = None
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
-    tpot = [(last[r] - first[r]) / (tokens[r] - 1) * 1e3 for r in first if tokens[r] > 1]
-    step_ms = np.asarray([s[0] for s in steps]) * 1e3
+    tpot_s = [(last[r] - first[r]) / (tokens[r] - 1) for r in first if tokens[r] > 1]
     mixed = [s for s in steps if s[1] > 0]
     decode_only = [s for s in steps if s[1] == 0]
     result = {
@@ -104,9 +103,9 @@ def run_pass(engine: Any, specs: list, cap: int, profile_steps: int, tag: str) -
         "requests": len(specs),
         "seconds": round(elapsed, 3),
         "output_tok_s": round(sum(tokens.values()) / elapsed, 1),
-        "tpot_ms": percentiles(tpot),
+        "tpot_ms": percentiles_ms(tpot_s),
         "steps": len(steps),
-        "step_ms": percentiles(step_ms),
+        "step_ms": percentiles_ms([s[0] for s in steps]),
         "mixed_steps": {"count": len(mixed), **mean_columns(mixed)},
         "decode_steps": {"count": len(decode_only), **mean_columns(decode_only)},
     }
@@ -144,7 +143,8 @@ def low_load_pass(engine: Any, specs: list, rate: float, tag: str) -> dict[str, 
             if delta.new_token_ids and delta.request_id not in ttft:
                 ttft[delta.request_id] = now - added[delta.request_id]
     values = [round(ttft[r] * 1e3, 2) for r in order]
-    return {"rate": rate, "ttft_ms_in_order": values, "p50_after_10_ms": percentiles(values[10:])}
+    later = percentiles_ms([ttft[r] for r in order[10:]])
+    return {"rate": rate, "ttft_ms_in_order": values, "after_first_10_ms": later}
 
 
 def kernel_breakdown(profiler: Any, wall_s: float, steps: list) -> dict[str, Any]:
@@ -186,15 +186,6 @@ def mean_columns(steps: list[tuple[float, int, int]]) -> dict[str, float]:
         "prefill_tokens": round(float(prefill.mean()), 1),
         "decoded_tokens": round(float(decoded.mean()), 1),
     }
-
-
-def percentiles(values: Any) -> dict[str, float]:
-    values = np.asarray(values, dtype=float)
-    if values.size == 0:
-        return {}
-    stats = {"mean": values.mean(), "p50": np.percentile(values, 50)}
-    stats.update({"p90": np.percentile(values, 90), "p99": np.percentile(values, 99)})
-    return {key: round(float(value), 2) for key, value in stats.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,8 +59,8 @@ def test_headline_ratios_come_from_the_phases():
 
 
 def test_step_time_percentiles_are_in_ms():
-    from benchmarks.gpu_stack import _percentiles_ms
+    from benchmarks.gpu_stack import percentiles_ms
 
-    stats = _percentiles_ms([0.010] * 9 + [0.110])
+    stats = percentiles_ms([0.010] * 9 + [0.110])
     assert stats["p50"] == 10.0 and stats["max"] == 110.0 and stats["mean"] == 20.0
-    assert _percentiles_ms([]) == {}
+    assert percentiles_ms([]) == {}

@@ -107,6 +107,12 @@ class EngineConfig:
         "time to first token under load, less throughput, and a busy neighbour process can "
         "starve the engine; BENCHMARKS.md has the figures)",
     )
+    stats_log_interval_s: float = field(
+        10.0,
+        help="seconds between the engine's stats lines in its log (steps/s and mean step "
+        "time, prompt and generated tokens/s, running/paused/waiting sequences, KV use, LoRA "
+        "slot writes); 0 = off",
+    )
     max_loras: int = field(
         DEFAULT_MAX_LORAS,
         help="LoRA adapters resident on the device at once (slots; one batch mixes them)",
@@ -157,11 +163,8 @@ class EngineConfig:
             _positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
             _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        target = self.target_step_ms
-        if isinstance(target, bool) or not isinstance(target, (int, float)):
-            raise InvalidArgumentError("target_step_ms must be a number")
-        if not 0.0 <= target < float("inf"):
-            raise InvalidArgumentError(f"target_step_ms must be >= 0 (0: off), got {target}")
+        _off_or_positive("target_step_ms", self.target_step_ms)
+        _off_or_positive("stats_log_interval_s", self.stats_log_interval_s)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
             if self.max_model_len < 2:
@@ -202,6 +205,14 @@ def _valid_device(device: str) -> bool:
         return True
     prefix, _, index = device.partition(":")
     return prefix == "cuda" and index.isdigit()
+
+
+def _off_or_positive(name: str, value: object) -> None:
+    """A finite number >= 0 (0: off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{name} must be a number")
+    if not 0.0 <= value < float("inf"):
+        raise InvalidArgumentError(f"{name} must be >= 0 (0: off), got {value}")
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -49,6 +49,7 @@ from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import Sequence
 from services.engine.step_budget import build_step_budget
+from services.engine.step_stats import QueueState, StepStats
 from services.engine.warmup import WarmupReport, plan_warmup, warm_up
 
 if TYPE_CHECKING:  # the runner modules import torch; the engine's policy code does not
@@ -80,6 +81,7 @@ class EngineInfo:
     execution_path: str = ""  # how steps run (the runner's `execution_path`), for the logs
     max_loras: int = 0  # LoRA device slots (0: adapters off)
     max_lora_rank: int = 0
+    max_inflight: int = 0  # requests taken in flight at once (0: max_num_seqs)
 
 
 def _check_lora_supported(config: EngineConfig) -> None:
@@ -173,6 +175,11 @@ class LLMEngine(OverlappedSteps):
             ),
             max_loras=lora_config.max_loras if lora_config.enabled else 0,
             max_lora_rank=lora_config.max_lora_rank if lora_config.enabled else 0,
+            max_inflight=(
+                self.adapters.inflight_capacity(config.max_num_seqs)
+                if self.adapters is not None
+                else config.max_num_seqs
+            ),
         )
         self._eos = frozenset(eos)
         self._max_model_len = max_model_len
@@ -180,6 +187,7 @@ class LLMEngine(OverlappedSteps):
         self._aborted: list[SequenceDelta] = []
         self._seq_ids = itertools.count()
         self.rates = StepRates()
+        self.stats = StepStats(config.stats_log_interval_s)
 
     @staticmethod
     def _build_runner(config: EngineConfig) -> tuple[EngineConfig, ModelRunner]:
@@ -369,6 +377,20 @@ class LLMEngine(OverlappedSteps):
             finished_per_s=rates.finished_per_s,
         )
 
+    def _queue_state(self) -> QueueState:
+        """Sequences, KV use and LoRA counters now, for the stats line."""
+        scheduler, blocks, adapters = self.scheduler, self.block_manager, self.adapters
+        return QueueState(
+            running=len(scheduler.running),
+            paused=len(scheduler.paused),
+            waiting=scheduler.num_waiting,
+            used_blocks=blocks.num_blocks - blocks.num_free_blocks,
+            total_blocks=blocks.num_blocks,
+            slot_writes=adapters.manager.num_slot_writes if adapters is not None else 0,
+            pauses=scheduler.num_pauses,
+            resident_adapters=len(adapters.resident()) if adapters is not None else -1,
+        )
+
     def _queued_prompt_tokens(self) -> int:
         """Prompt tokens of waiting sequences and of running ones still prefilling."""
         total = 0
@@ -392,12 +414,16 @@ class LLMEngine(OverlappedSteps):
         for delta in output.deltas:
             decoded += len(delta.new_token_ids)
             finished += delta.finished
+        prefill_tokens = max(output.num_batched_tokens - decoded, 0)
         self.rates.record(
             output.step_time_s,
-            prefill_tokens=max(output.num_batched_tokens - decoded, 0),
+            prefill_tokens=prefill_tokens,
             decode_tokens=decoded,
             finished=finished,
         )
+        self.stats.record(output.step_time_s, prefill_tokens, decoded)
+        if self.stats.due():
+            logger.info("%s", self.stats.line(self._queue_state()))
         return output
 
     def warm_up(self) -> WarmupReport:
@@ -439,6 +465,8 @@ class LLMEngine(OverlappedSteps):
             launched = None  # every sequence of it stopped or was aborted: nothing to read
         if launched is None:
             plan = self.scheduler.schedule()
+            if plan.is_empty and self.adapters is not None and self.adapters.wait_for_slot_writes():
+                plan = self.scheduler.schedule()  # nothing else to run: the swaps have landed
             if plan.is_empty:
                 self._idle_for_adapters = (
                     not deltas

@@ -158,6 +158,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             execution_path=info.execution_path,
             max_loras=getattr(info, "max_loras", 0),
             max_lora_rank=getattr(info, "max_lora_rank", 0),
+            max_inflight=getattr(info, "max_inflight", 0),
             load=load_to_pb(self._load) if self._load else None,
         )
 

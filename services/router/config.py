@@ -44,7 +44,9 @@ class RouterConfig:
         1_048_576, help="prompt tokens of the queued requests; more are RESOURCE_EXHAUSTED"
     )
     max_inflight_per_engine: int = field(
-        0, help="requests placed on one engine at once (0: the engine's max_num_seqs)"
+        0,
+        help="requests placed on one engine at once (0: what the engine reports: its "
+        "max_num_seqs, twice that when it time-slices LoRA slots)",
     )
     retry_after_s: float = field(
         1.0, help="seconds suggested to a rejected client (retry-after trailer), at least"

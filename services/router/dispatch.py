@@ -30,7 +30,8 @@ class EngineCapacity:
     free_blocks: int = 0  # as last reported by the engine
     reserved_blocks: int = 0  # promised to requests submitted since that report
     inflight: int = 0  # requests placed here and not finished
-    max_inflight: int = 0  # 0: max_num_seqs
+    max_inflight: int = 0  # the router's own cap (--max-inflight-per-engine); 0: the engine's
+    engine_max_inflight: int = 0  # what the engine takes in flight (0: its max_num_seqs)
     resident_adapters: tuple[str, ...] = field(default_factory=tuple)
     # LoRA: device slots (0: not reported), the most distinct adapters served in flight at once
     # (the slots, or the host cache when the engine time-slices its slots; 0: not reported, the
@@ -46,7 +47,7 @@ class EngineCapacity:
 
     @property
     def slot_limit(self) -> int:
-        return self.max_inflight or self.max_num_seqs
+        return self.max_inflight or self.engine_max_inflight or self.max_num_seqs
 
     @property
     def adapter_cap(self) -> int:

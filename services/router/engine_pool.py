@@ -145,6 +145,7 @@ class EngineConnection:
         self.info = info
         capacity = self.capacity
         capacity.max_num_seqs = info.max_num_seqs or 1
+        capacity.engine_max_inflight = info.max_inflight  # 0 from an engine before the field
         capacity.max_model_len = info.max_model_len
         capacity.block_size = info.block_size or 16
         capacity.total_blocks = info.num_blocks
@@ -167,12 +168,13 @@ class EngineConnection:
         if capacity.lora_slots:
             lora = f" lora_slots={capacity.lora_slots} lora_adapter_capacity={capacity.adapter_cap}"
         log.info(
-            "engine %s ready: model=%s max_model_len=%d blocks=%d max_num_seqs=%d%s",
+            "engine %s ready: model=%s max_model_len=%d blocks=%d max_num_seqs=%d in flight %d%s",
             self.address,
             info.model,
             info.max_model_len,
             info.num_blocks,
             info.max_num_seqs,
+            capacity.slot_limit,
             lora,
         )
         self._on_ready()

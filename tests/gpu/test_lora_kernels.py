@@ -16,7 +16,7 @@ from services.engine.lora.batch import LoRABatch
 from services.engine.lora.projections import PROJECTIONS
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
-from services.engine.lora.weights import AdapterWeights, ProjectionWeights
+from services.engine.lora.weights import AdapterWeights, ProjectionWeights, stack_layers
 from tests.lora_adapters import tiny_model_config
 
 DEVICE = "cuda"
@@ -150,3 +150,35 @@ def check_graph_replay(device: str) -> None:
 
 def test_a_captured_graph_serves_any_adapter_mix() -> None:
     check_graph_replay(DEVICE)
+
+
+def test_an_asynchronous_slot_write_lands_what_an_ordered_one_writes() -> None:
+    """A swap on the side stream, issued while the step stream is busy, must fill the slot as
+    the in-order write does (zeros past its rank over a larger adapter included), and must not
+    start before the work already issued on the step stream (which may still read the slot)."""
+    config = tiny_model_config(**SHAPES["wide"])
+    ordered, side = (
+        LoRASlots(config, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=DEVICE)
+        for _ in range(2)
+    )
+    big = _adapter(ordered, "big", 16, PROJECTIONS, seed=1)
+    small = _adapter(ordered, "small", 4, ("qkv_proj", "o_proj"), seed=2)
+    ordered.write(1, big)
+    side.write(1, stack_layers(big, pin=True), asynchronous=True).wait()
+    ordered.write(1, small)
+    torch.cuda.synchronize()
+    # Keep the step stream busy, then read slot 1 on it: the side copy must wait for the read.
+    before = side.a_stacks["qkv_proj"][:, 1].clone()
+    torch.cuda._sleep(50_000_000)
+    seen = side.a_stacks["qkv_proj"][:, 1].clone()
+    write = side.write(1, stack_layers(small, pin=True), asynchronous=True)  # as the engine
+    assert write is not None
+    write.wait()
+    assert write.done()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(seen, before, rtol=0, atol=0)
+    for name in PROJECTIONS:
+        torch.testing.assert_close(side.a_stacks[name], ordered.a_stacks[name], rtol=0, atol=0)
+        torch.testing.assert_close(side.b_stacks[name], ordered.b_stacks[name], rtol=0, atol=0)
+        assert side.ranks[name] == ordered.ranks[name]
+        assert side.rank_tensors[name].tolist() == ordered.rank_tensors[name].tolist()

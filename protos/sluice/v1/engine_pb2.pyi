@@ -114,7 +114,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos_token_ids", "engine_id", "backend", "device", "dtype", "load", "max_loras", "max_lora_rank", "execution_path", "target_step_ms")
+    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos_token_ids", "engine_id", "backend", "device", "dtype", "load", "max_loras", "max_lora_rank", "execution_path", "target_step_ms", "max_inflight")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class EngineInfo(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PATH_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -149,4 +150,5 @@ class EngineInfo(_message.Message):
     max_lora_rank: int
     execution_path: str
     target_step_ms: float
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., execution_path: _Optional[str] = ..., target_step_ms: _Optional[float] = ...) -> None: ...
+    max_inflight: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., execution_path: _Optional[str] = ..., target_step_ms: _Optional[float] = ..., max_inflight: _Optional[int] = ...) -> None: ...

@@ -10,6 +10,8 @@ gate the scheduler asks. The engine's calls, in order of a request's life:
   step (sequences whose adapter failed to load come back with the error to finish them with);
   a loop with nothing to schedule but loads in flight sleeps until `on_load_done` wakes it.
   `Scheduler(..., adapter_slots=gate)` admits and releases, `gate.drop(seq)` when it ends.
+- `wait_for_slot_writes()` when a step has nothing to run but sequences whose adapter's slot
+  copy (on a side stream, see slots.py) has not landed yet.
 - `begin_step(batch)` before each forward (which rows use which slot); the model was given the
   runtime once with `attach(model)` (nn.Module models) or calls `runtime.apply` itself.
 - `resident()` and `loading()` for the load report.
@@ -32,10 +34,13 @@ from services.engine.lora.gate import AdapterGate
 from services.engine.lora.loader import inspect_adapter, load_registered_adapter
 from services.engine.lora.manager import AdapterManager
 from services.engine.lora.runtime import LoRARuntime
-from services.engine.lora.slots import LoRASlots
+from services.engine.lora.slots import LoRASlots, SlotWrite
 from services.engine.lora.weights import AdapterWeights, stack_layers
 from services.engine.lora.wrap import attach_lora
 from services.engine.models.config import ModelConfig
+
+# In flight per place in a step's batch when slots are time-sliced (inflight_capacity).
+TIME_SLICED_INFLIGHT_FACTOR = 2
 
 
 class EngineAdapters:
@@ -71,7 +76,7 @@ class EngineAdapters:
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
             load=self._load,
-            write_slot=self.slots.write,
+            write_slot=self._write_slot,
             executor=executor,
             on_load_done=on_load_done,
         )
@@ -84,6 +89,14 @@ class EngineAdapters:
         device slots (a request holds its adapter's slot until it ends)."""
         config = self.config
         return config.max_cpu_loras if config.slot_quantum_ms > 0 else config.max_loras
+
+    def inflight_capacity(self, max_num_seqs: int) -> int:
+        """Requests the engine takes in flight at once. With time-sliced slots, twice the
+        batch: the sequences of adapters waiting for their turn (paused, KV kept, or not yet
+        admitted) hold no place in a step's batch, and without room for them the batch runs
+        short while routers hold requests back. KV room still bounds what is placed."""
+        factor = TIME_SLICED_INFLIGHT_FACTOR if self.config.slot_quantum_ms > 0 else 1
+        return max_num_seqs * factor
 
     def inspect(self, name: str, path: str) -> AdapterRecord:
         """Validate an adapter completely (thread-safe; keep it off the step thread)."""
@@ -142,6 +155,14 @@ class EngineAdapters:
         torch.cuda.synchronize(self.device)
         return launches
 
+    def wait_for_slot_writes(self) -> int:
+        """Block until the slot writes in flight land (when nothing else can run)."""
+        return self.manager.wait_for_writes()
+
+    @property
+    def num_pending_slot_writes(self) -> int:
+        return self.manager.num_pending_writes
+
     def resident(self) -> tuple[str, ...]:
         return self.manager.resident()
 
@@ -150,6 +171,10 @@ class EngineAdapters:
 
     def shutdown(self) -> None:
         self.manager.shutdown()
+
+    def _write_slot(self, slot: int, weights: AdapterWeights) -> SlotWrite | None:
+        """A swap off the step stream: the copies overlap the steps that go on meanwhile."""
+        return self.slots.write(slot, weights, asynchronous=True)
 
     def _load(self, record: AdapterRecord) -> AdapterWeights:
         """On the loader thread: read, verify and lay out; pinned host memory for a GPU."""

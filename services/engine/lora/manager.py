@@ -2,8 +2,10 @@
 
 Plain Python policy (no tensors): the tensor work is injected — `load(record)` reads and
 prepares an adapter's weights and runs on a background executor, so a step never waits for a
-disk read; `write_slot(slot, weights)` copies them into a device slot and runs on the step
-thread, between forward passes. The engine drives it:
+disk read; `write_slot(slot, weights)` copies them into a device slot: called on the step
+thread, it may return a pending write (`done()`, `wait()`: a GPU copy on a side stream while
+steps go on), and until that is done the slot belongs to its new adapter but takes no sequence.
+The engine drives it:
 
 - `hold(name)` when a request arrives (NOT_FOUND for an unknown name, before anything queues):
   the adapter is now in demand and `poll()` starts its load if it is not in memory.
@@ -12,6 +14,7 @@ thread, between forward passes. The engine drives it:
 - `ready(record)` tells the scheduler whether a waiting request can be admitted; `acquire`
   gives a running sequence a slot (pinned: never evicted while pinned), `release` unpins it on
   finish, preemption or pause, `drop` when the request is gone.
+- `wait_for_writes()` when nothing else can run: blocks until the pending slot writes land.
 - `slots_to_yield(quantum_s)`: with slot time-slicing, the slots whose running sequences the
   scheduler pauses so that adapters waiting for a slot get them (services/engine/scheduler.py).
 
@@ -44,6 +47,7 @@ class _Slot:
     key: Key | None = None
     pins: int = 0
     pinned_since_s: float = 0.0  # when its pins last went from none to some
+    pending: Any = None  # a slot write still running (done(), wait()), None once landed
 
 
 class AdapterManager:
@@ -55,7 +59,7 @@ class AdapterManager:
         max_loras: int,
         max_cpu_loras: int,
         load: Callable[[AdapterRecord], Any],
-        write_slot: Callable[[int, Any], None],
+        write_slot: Callable[[int, Any], Any],
         executor: Executor | None = None,
         on_load_done: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -156,11 +160,16 @@ class AdapterManager:
             if slot is None:
                 self._drain_for_waiting()
                 return None
-            self._write_slot(slot, weights)
+            self._slots[slot].pending = self._write_slot(slot, weights)
             self.num_slot_writes += 1
             self._slots[slot].key = record.key
+            self._slot_order.move_to_end(slot)  # not the next one taken while it waits
             self._draining.pop(slot, None)
         entry = self._slots[slot]
+        if entry.pending is not None:
+            if not entry.pending.done():
+                return None  # its copy is still running: the sequence waits a step or two
+            entry.pending = None
         if entry.pins == 0:
             entry.pinned_since_s = self._clock()
         entry.pins += 1
@@ -205,6 +214,21 @@ class AdapterManager:
                 future.add_done_callback(self._load_done)
             self._loading[key] = (record, future)
         return failures
+
+    @property
+    def num_pending_writes(self) -> int:
+        """Slot writes issued and not yet seen done."""
+        return sum(1 for entry in self._slots if entry.pending is not None)
+
+    def wait_for_writes(self) -> int:
+        """Block until every pending slot write has landed; how many there were."""
+        count = 0
+        for entry in self._slots:
+            if entry.pending is not None:
+                entry.pending.wait()
+                entry.pending = None
+                count += 1
+        return count
 
     def resident(self) -> tuple[str, ...]:
         """Names of the adapters in device slots (for the engine's load report)."""
@@ -274,7 +298,7 @@ class AdapterManager:
         if len(self._draining) >= limit:
             return
         for slot in self._slot_order:
-            if slot not in self._draining:
+            if slot not in self._draining and not self._reserved(self._slots[slot]):
                 self._draining[slot] = self._clock()
                 return
 
@@ -288,10 +312,18 @@ class AdapterManager:
         for index, entry in enumerate(self._slots):
             if entry.key is None:
                 return index
-        for index in self._slot_order:  # least recently acquired first
-            if self._slots[index].pins == 0:
+        for index in self._slot_order:  # least recently acquired (or written) first
+            entry = self._slots[index]
+            if entry.pins == 0 and not self._reserved(entry):
                 return index
         return None
+
+    def _reserved(self, entry: _Slot) -> bool:
+        """A slot just written for an adapter that has not taken it yet: its copy is still
+        running, or its adapter's sequences are still to come. Neither taken nor drained."""
+        if entry.pending is None:
+            return False
+        return not entry.pending.done() or bool(self._demand.get(entry.key))
 
     def _make_host_room(self) -> bool:
         """Free a host entry if the cache (with loads in flight) is full; False if it can't."""

@@ -11,6 +11,13 @@ serve every adapter of a batch.
 `ranks[projection][slot]` (0: the adapter leaves that projection alone; a host list, and the
 same in `rank_tensors` on the device) lets both paths skip work and read only each adapter's
 real rank.
+
+A write is either in order with the model's work (`write(slot, weights)`: on the current stream,
+what tests and benchmarks that use the slot at once want), or, on a GPU, off it
+(`write(..., asynchronous=True)`): the copies run on a side stream while steps go on, after
+everything already issued (a step still reading the slot's last adapter finishes first), and
+the returned `SlotWrite` says when the slot may be used. The engine uses the second, so a swap
+costs the step stream nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +27,24 @@ import torch
 from services.engine.lora.projections import PROJECTIONS, ProjectionShape, projection_shapes
 from services.engine.lora.weights import AdapterWeights
 from services.engine.models.config import ModelConfig
+
+
+class SlotWrite:
+    """A slot write running on the side stream: `done()` polls it, `wait()` blocks for it."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+        self._done = False
+
+    def done(self) -> bool:
+        if not self._done:
+            self._done = self._event.query()
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            self._event.synchronize()
+            self._done = True
 
 
 class LoRASlots:
@@ -69,19 +94,41 @@ class LoRASlots:
             for name in PROJECTIONS
         }
         self.names: list[str | None] = [None] * max_loras
+        self._copy_stream: torch.cuda.Stream | None = None  # made on the first async write
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.a_stacks.values(), *self.b_stacks.values()))
 
-    def write(self, slot: int, weights: AdapterWeights) -> None:
-        """Put `weights` in `slot`, replacing whatever was there."""
+    def write(
+        self, slot: int, weights: AdapterWeights, *, asynchronous: bool = False
+    ) -> SlotWrite | None:
+        """Put `weights` in `slot`, replacing whatever was there. `asynchronous` on a GPU: the
+        copies go on a side stream and the slot may be used once the returned write is done;
+        otherwise (and always on a CPU) in order with the current stream, and None."""
+        self._check(slot, weights)
+        if not asynchronous or self.device.type != "cuda":
+            self._write(slot, weights)
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._write(slot, weights)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return SlotWrite(event)
+
+    def _check(self, slot: int, weights: AdapterWeights) -> None:
         if not 0 <= slot < self.max_loras:
             raise IndexError(f"slot {slot} outside 0..{self.max_loras - 1}")
         if weights.rank > self.max_rank:
             raise ValueError(f"adapter rank {weights.rank} over the slot rank {self.max_rank}")
         if len(weights.layers) != self.num_layers:
             raise ValueError(f"adapter has {len(weights.layers)} layers, model {self.num_layers}")
+
+    def _write(self, slot: int, weights: AdapterWeights) -> None:
         rank = weights.rank
         if weights.stacked is None:
             self.clear(slot)

@@ -79,6 +79,16 @@ def test_idle_engine_takes_any_request_and_not_ready_engines_take_none() -> None
     assert [p.engine_id for p in placements] == ["a"]
 
 
+def test_the_engine_reported_inflight_capacity_bounds_placement_unless_overridden() -> None:
+    reported = engine("a", slots=2)
+    reported.engine_max_inflight = 3  # e.g. an engine that time-slices its LoRA slots
+    placements = LeastLoadedPolicy().schedule(queue_of(*(Item(1) for _ in range(5))), [reported])
+    assert len(placements) == 3 and reported.free_slots == 0
+    capped = engine("b", slots=2)
+    capped.engine_max_inflight, capped.max_inflight = 3, 1  # --max-inflight-per-engine wins
+    assert len(LeastLoadedPolicy().schedule(queue_of(Item(1), Item(1)), [capped])) == 1
+
+
 def test_max_inflight_overrides_engine_slots() -> None:
     capped = engine("a", slots=256)
     capped.max_inflight = 1

@@ -141,6 +141,9 @@ def test_time_sliced_slots_pause_and_resume_without_changing_tokens(eight, quant
         llm.add_adapter(name)
     engine = llm.engine
     assert engine.load().lora_adapter_capacity == (8 if quantum_ms else 2)
+    # Waiting for a turn in a slot takes no place in a step's batch: twice the batch in flight.
+    max_num_seqs = engine.info.max_num_seqs
+    assert engine.info.max_inflight == (2 * max_num_seqs if quantum_ms else max_num_seqs)
     _check_all_in_flight(llm, [None, *EIGHT_ADAPTERS], prompts, references)
     scheduler = engine.scheduler
     if quantum_ms:  # slots changed hands mid-request: paused sequences resumed with their KV

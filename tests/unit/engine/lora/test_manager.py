@@ -301,3 +301,49 @@ def test_one_slot_drains_per_waiting_adapter_up_to_a_quarter() -> None:
     manager.drop(a)  # and once a's request ends too, nobody waits
     manager.poll()
     assert manager.draining_slots == () and manager.acquire(b) == slot_b
+
+
+class PendingWrite:
+    """A slot write that lands when the test says so (as a GPU copy on a side stream)."""
+
+    def __init__(self) -> None:
+        self.landed = False
+        self.waited = False
+
+    def done(self) -> bool:
+        return self.landed
+
+    def wait(self) -> None:
+        self.waited = self.landed = True
+
+
+def test_a_slot_whose_copy_is_running_takes_no_sequence_until_it_lands() -> None:
+    executor = ManualExecutor()
+    writes: dict[int, PendingWrite] = {}
+
+    def write_slot(slot: int, weights: Any) -> PendingWrite:
+        writes[slot] = PendingWrite()
+        return writes[slot]
+
+    manager = AdapterManager(
+        max_loras=2, max_cpu_loras=3, load=str, write_slot=write_slot, executor=executor
+    )
+    for name in ("a", "b", "c"):
+        manager.register(record(name))
+    a, b, c = (manager.hold(name) for name in ("a", "b", "c"))
+    manager.poll()
+    executor.run_all()
+    manager.poll()
+    assert manager.acquire(a) is None  # the copy into its slot started ...
+    assert manager.num_pending_writes == 1 and manager.resident() == ("a",)
+    assert manager.acquire(a) is None  # ... and is still running
+    slot_a = manager.slot_of(a)
+    assert manager.acquire(b) is None  # b's copy goes to the other slot, not over a's
+    slot_b = manager.slot_of(b)
+    assert {slot_a, slot_b} == {0, 1}
+    assert manager.acquire(c) is None and manager.slot_of(c) is None  # both slots are busy
+    writes[slot_a].landed = True
+    assert manager.acquire(a) == slot_a and manager.num_pending_writes == 1
+    assert manager.wait_for_writes() == 1 and writes[slot_b].waited
+    assert manager.num_pending_writes == 0 and manager.acquire(b) == slot_b
+    assert manager.wait_for_writes() == 0

@@ -25,6 +25,8 @@ ids, `--output-len` (256) tokens, greedy, EOS ignored, fixed seeds. In order:
 Phases 1 and 2 run on a stack without adapters (`--base-stack plain`, the default: the base
 model as it is served without LoRA), stopped before the LoRA stack starts; `--base-stack same`
 runs them on the LoRA stack (one start less; base rows then go through the LoRA-capable steps).
+`--slot-quanta 100,25` repeats phase 3 on a fresh LoRA stack per `--lora-slot-quantum-ms` value
+(`lora_poisson` is the first; the others go in `quantum_sweep` with their ratios to the base).
 The router's queue wait comes from its first-token phase histogram (bucket bounds) and is
 bounded above by the client's TTFT. Phase durations shrink to fit `--budget-s`; a request still
 running at the budget's end is cut (DEADLINE_EXCEEDED, counted in the phase's errors).
@@ -77,7 +79,9 @@ class RunningStack:
     metrics_url: str  # the router's /metrics
 
 
-def start_stack(args: argparse.Namespace, adapter_root: Path | None, log_dir: Path) -> RunningStack:
+def start_stack(
+    args: argparse.Namespace, adapter_root: Path | None, log_dir: Path, quantum_ms: float | None
+) -> RunningStack:
     """A stack as `sluice up --no-ray --no-redis` starts it, adapters on when given a root."""
     from services.common.ports import free_port
     from services.launcher import Stack, StackConfig
@@ -86,6 +90,8 @@ def start_stack(args: argparse.Namespace, adapter_root: Path | None, log_dir: Pa
         "--adapter-root", str(adapter_root), "--max-loras", str(args.max_loras),
         "--max-cpu-loras", str(args.max_cpu_loras), "--max-lora-rank", str(args.rank),
     )  # fmt: skip
+    if adapter_root is not None and quantum_ms is not None:
+        lora_flags += ("--lora-slot-quantum-ms", f"{quantum_ms:g}")
     metrics_port = free_port()
     router_args = (
         "--lora-max-wait-s", str(args.lora_max_wait_s),
@@ -104,13 +110,15 @@ def start_stack(args: argparse.Namespace, adapter_root: Path | None, log_dir: Pa
 
 
 def prepare(args: argparse.Namespace, root: Path | None, names: list[str], log_dir: Path,
-            setup: dict[str, Any]) -> RunningStack:  # fmt: skip
+            setup: dict[str, Any], quantum_ms: float | None = None) -> RunningStack:  # fmt: skip
     """Start a stack, register the adapters, warm it (one short request per adapter, 8 base)."""
     from services.launcher import describe_engines
 
     started = time.perf_counter()
-    running = start_stack(args, root, log_dir)
+    running = start_stack(args, root, log_dir, quantum_ms)
     key = "lora" if root is not None else "plain"
+    if root is not None and quantum_ms is not None and quantum_ms != args.slot_quanta[0]:
+        key = f"lora_quantum_{quantum_ms:g}"
     setup[f"{key}_stack_start_s"] = round(time.perf_counter() - started, 1)
     setup[f"{key}_engines"] = describe_engines(running.stack.engine_addresses)
     print(f"{key} stack up in {setup[f'{key}_stack_start_s']}s", flush=True)
@@ -173,7 +181,10 @@ def run_bench(args: argparse.Namespace, report: dict[str, Any], save, deadline: 
         names = written.pop("names")
         setup.update(written)
         save()
-        running = prepare(args, None if plain else root, names, log_dir / args.base_stack, setup)
+        quanta = args.slot_quanta or [None]
+        running = prepare(
+            args, None if plain else root, names, log_dir / args.base_stack, setup, quanta[0]
+        )
         save()
         # 1. Base saturation, closed loop.
         specs = make_specs(args.num_requests, args.input_len, args.output_len, args.seed + 1)
@@ -192,8 +203,15 @@ def run_bench(args: argparse.Namespace, report: dict[str, Any], save, deadline: 
         drain_s = DRAIN_ALLOWANCE_S + args.output_len * tpot_s
         restart_s = RESTART_ALLOWANCE_S + WARM_S_PER_ADAPTER * len(names)
         restart_s = setup["plain_stack_start_s"] + restart_s if plain else 0.0
-        spare_s = _time_left(deadline) - STOP_ALLOWANCE_S - LORA_EXTRA_DRAIN_S - restart_s
-        duration_s = min(args.duration_s, spare_s / 2 - drain_s)
+        lora_restart_s = RESTART_ALLOWANCE_S + WARM_S_PER_ADAPTER * len(names)
+        lora_restart_s += setup["plain_stack_start_s"] if plain else setup["lora_stack_start_s"]
+        restart_s += lora_restart_s * (len(quanta) - 1)
+        spare_s = (
+            _time_left(deadline) - restart_s
+            - (STOP_ALLOWANCE_S + LORA_EXTRA_DRAIN_S) * len(quanta)
+        )  # fmt: skip
+        phases_left = 1 + len(quanta)
+        duration_s = min(args.duration_s, spare_s / phases_left - drain_s)
         report["phase_duration_s"] = round(duration_s, 1)
         if duration_s < 3.0:
             report["skipped"] = f"out of time: {duration_s:.0f}s per Poisson phase left"
@@ -211,18 +229,24 @@ def run_bench(args: argparse.Namespace, report: dict[str, Any], save, deadline: 
         phases["base_poisson"] = {"offered_req_s": report["rate_req_s"], **phase}
         print("base_poisson", json.dumps(phases["base_poisson"]), flush=True)
         save()
-        if plain:
-            running.stack.stop()
-            running = None
-            running = prepare(args, root, names, log_dir / "lora", setup)
+        for index, quantum_ms in enumerate(quanta):
+            if plain or index > 0:
+                running.stack.stop()
+                running = None
+                where = log_dir / ("lora" if index == 0 else f"lora-quantum-{quantum_ms:g}")
+                running = prepare(args, root, names, where, setup, quantum_ms)
+                save()
+            key = "lora_poisson" if index == 0 else f"lora_poisson_quantum_{quantum_ms:g}"
+            print(f"{key}: {len(times)} requests over {duration_s:.0f}s", flush=True)
+            later_s = (lora_restart_s + duration_s + drain_s) * (len(quanta) - 1 - index)
+            left_s = _time_left(deadline) - STOP_ALLOWANCE_S - later_s
+            phase = poisson_phase(
+                args, running, with_adapters(specs, drawn), times, max(5.0, left_s - duration_s)
+            )
+            phases[key] = {"offered_req_s": report["rate_req_s"], "slot_quantum_ms": quantum_ms,
+                           **phase}  # fmt: skip
+            print(key, json.dumps(phases[key]), flush=True)
             save()
-        print(f"lora_poisson: {len(times)} requests over {duration_s:.0f}s", flush=True)
-        left_s = _time_left(deadline) - STOP_ALLOWANCE_S
-        phase = poisson_phase(
-            args, running, with_adapters(specs, drawn), times, max(5.0, left_s - duration_s)
-        )
-        phases["lora_poisson"] = {"offered_req_s": report["rate_req_s"], **phase}
-        print("lora_poisson", json.dumps(phases["lora_poisson"]), flush=True)
     finally:
         setup["engine_log"] = _engine_log_lines(log_dir)
         if running is not None:
@@ -259,6 +283,17 @@ def headline(report: dict[str, Any], bound_s: float) -> None:
     else:
         verdict = "undecided (the histogram bucket straddles the bound)"
     report["queue_wait_goal"] = verdict
+    report["quantum_sweep"] = [
+        {
+            "slot_quantum_ms": phase.get("slot_quantum_ms"),
+            "output_tok_s_over_base": _ratio(phase["output_tok_s"], base["output_tok_s"]),
+            "p99_ttft_over_base": _ratio(phase["ttft_ms"]["p99"], base["ttft_ms"]["p99"]),
+            "ttft_p50_ms": phase["ttft_ms"]["p50"],
+            "tpot_p50_ms": phase["tpot_ms"]["p50"],
+        }
+        for name, phase in phases.items()
+        if name.startswith("lora_poisson")
+    ]
     report["goals"] = {
         "output_tok_s_ratio_at_least_0.85": (report.get("lora_over_base_output_tok_s") or 0)
         >= 0.85,
@@ -267,15 +302,30 @@ def headline(report: dict[str, Any], bound_s: float) -> None:
     }
 
 
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return round(value / base, 3) if value and base else None
+
+
 def _engine_log_lines(log_dir: Path) -> list[str]:
-    keys = ("step limits", "warmed", "LoRA", "adapter", "CUDA fast path", "Traceback", "Error")
+    keys = ("step limits", "warmed", "LoRA", "adapter", "CUDA fast path", "engine stats",
+            "Traceback", "Error")  # fmt: skip
     lines = []
-    for path in sorted(log_dir.glob("*/engine*.log")):
+    for path in sorted(log_dir.glob("*/engine*.log")):  # the last lines of each stack's engine
         with contextlib.suppress(OSError):
-            for line in path.read_text(errors="replace").splitlines():
-                if any(key in line for key in keys):
-                    lines.append(line[-400:])
-    return lines[-20:]
+            text = path.read_text(errors="replace").splitlines()
+            picked = [line[-400:] for line in text if any(key in line for key in keys)]
+            lines.extend(f"{path.parent.name}: {line}" for line in picked[-30:])
+    return lines
+
+
+def _quanta(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of milliseconds: {text!r}") from None
+    if any(value < 0 for value in values):
+        raise argparse.ArgumentTypeError("quanta must be >= 0")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--base-stack", choices=("plain", "same"), default="plain",
         help="base phases on a stack without adapters (plain), or on the LoRA stack (same: "
         "one start less; base rows then run through the LoRA-capable steps)",
+    )  # fmt: skip
+    add(
+        "--slot-quanta", type=_quanta, default=[],
+        help="comma-separated --lora-slot-quantum-ms values: the LoRA phase once per value, each "
+        "on a fresh stack (default: the engine's default, one phase)",
     )  # fmt: skip
     add("--budget-s", type=float, default=360.0, help="Poisson phases shrink to end by then")
     add("--out", type=Path, default=Path(tempfile.gettempdir()) / "lora-stack.json")

@@ -9,9 +9,10 @@ adapters on all seven projections, bf16, this times the LoRA work of a whole ste
 layouts (a mixed step of 200 decode rows over 16 adapters plus 330 prompt rows of 3; decode
 rows of 16 adapters; a 2048-row prefill of 4) as GPU time (CUDA events) and host time (the
 launching thread), beside the base projections' matmuls of the same rows (cuBLAS, same run),
-for the torch path and for the Triton kernels under several launch settings (programs per SM,
-rows per tile, K per split, output columns per block). When host time equals GPU time, the
-launches, not the kernels, set the step's cost.
+for the torch path and for the Triton kernels: their defaults launched through Triton's own
+dispatch and directly (the serving path, services/engine/kernels/triton/launch.py), and other
+launch settings (programs per SM, rows per tile, K per split, output columns per block). When
+host time equals GPU time, the launches, not the kernels, set the step's cost.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from services.common.protocol.dummy_shapes import DUMMY_SHAPES
+from services.engine.kernels.triton import launch as launch_mod
 from services.engine.kernels.triton import lora_expand as expand_mod
 from services.engine.kernels.triton import lora_shrink as shrink_mod
 from services.engine.lora import batch as batch_mod
@@ -147,6 +149,7 @@ def _set_variant(variant: tuple[int, int, int, int, int]) -> None:
     batch_mod.TILE_ROWS = runtime_mod.TILE_ROWS = tile_rows
     shrink_mod.DECODE_K_PER_SPLIT, shrink_mod.PREFILL_K_PER_SPLIT = decode_k, prefill_k
     expand_mod.BLOCK_N = block_n
+    shrink_mod._shrink_launch.cache_clear()  # its constexprs follow the K per split
 
 
 def main() -> int:
@@ -173,8 +176,15 @@ def main() -> int:
         "runs": [],
     }
     print(json.dumps(report["base_matmuls_ms"], indent=1), flush=True)
-    runs = [("torch", None), *(("triton", variant) for variant in VARIANTS)]
-    for kernels, variant in runs:
+    # The defaults through Triton's own dispatch on every launch, then with direct launches
+    # (kernels/triton/launch.py, the serving path), then the other settings.
+    runs = [
+        ("torch", None, True),
+        ("triton", VARIANTS[0], False),
+        *(("triton", variant, True) for variant in VARIANTS),
+    ]
+    for kernels, variant, direct in runs:
+        launch_mod.DIRECT_LAUNCH = direct
         if variant is not None:
             _set_variant(variant)
         runtime = runtime_mod.LoRARuntime(slots, kernels=kernels, max_rows=8192)
@@ -187,11 +197,10 @@ def main() -> int:
                 )
                 for name, offsets in runtime._offsets.items()
             }
-        label = (
-            kernels
-            if variant is None
-            else "triton pps={} tile={} dk={} pk={} bn={}".format(*variant)
-        )
+        label = kernels
+        if variant is not None:
+            label = "triton pps={} tile={} dk={} pk={} bn={}".format(*variant)
+            label += ", direct launches" if direct else ", Triton's dispatch"
         for name, rows in layouts.items():
             gpu_ms, host_ms = _step_ms(runtime, rows)
             run = {

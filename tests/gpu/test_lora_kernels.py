@@ -182,3 +182,40 @@ def test_an_asynchronous_slot_write_lands_what_an_ordered_one_writes() -> None:
         torch.testing.assert_close(side.b_stacks[name], ordered.b_stacks[name], rtol=0, atol=0)
         assert side.ranks[name] == ordered.ranks[name]
         assert side.rank_tensors[name].tolist() == ordered.rank_tensors[name].tolist()
+
+
+def test_direct_launches_compute_what_the_jit_path_computes(monkeypatch) -> None:
+    """After its first launch per specialization a kernel skips Triton's dispatch
+    (kernels/triton/launch.py): every later launch must give the JIT path's bits."""
+    from services.engine.kernels.triton import launch, lora_expand, lora_shrink
+
+    config = tiny_model_config(**SHAPES["wide"])
+    slots, _ = _filled_slots(config, 8, 16, torch.bfloat16, DEVICE)
+    generator = torch.Generator().manual_seed(5)
+    results = {}
+    for direct in (False, True):
+        monkeypatch.setattr(launch, "DIRECT_LAUNCH", direct)
+        before = (
+            lora_shrink._launch_shrink.direct_launches + lora_expand._launch_expand.direct_launches
+        )
+        for rows, kind in ((64, "distinct"), (300, "runs"), (64, "distinct")):
+            generator.manual_seed(rows)
+            runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
+            runtime.set_batch(LoRABatch.from_row_slots(_row_slots(kind, rows, 8, generator)))
+            for projection in PROJECTIONS:
+                spec = slots.shapes[projection]
+                x = torch.randn(rows, spec.in_features, generator=generator).to(torch.bfloat16)
+                y = torch.randn(rows, spec.out_features, generator=generator).to(torch.bfloat16)
+                y = y.to(DEVICE)
+                for _ in range(2):  # the second launch of each specialization is direct
+                    out = y.clone()
+                    runtime.apply(0, projection, x.to(DEVICE), out)
+                    results.setdefault((rows, kind, projection), []).append(out)
+        after = (
+            lora_shrink._launch_shrink.direct_launches + lora_expand._launch_expand.direct_launches
+        )
+        assert (after > before) == direct
+    torch.cuda.synchronize()
+    for key, outs in results.items():
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0]), key

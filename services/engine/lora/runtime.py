@@ -47,7 +47,10 @@ class LoRARuntime:
 
     def _init_kernel_buffers(self, max_rows: int) -> None:
         """The fixed device buffers the kernels (and graphs capturing them) read every step."""
-        from services.engine.kernels.triton.lora_expand import column_blocks
+        from services.engine.kernels.triton.lora_expand import column_blocks, lora_expand
+        from services.engine.kernels.triton.lora_shrink import lora_shrink
+
+        self._shrink, self._expand = lora_shrink, lora_expand  # Triton imported only when used
 
         slots, device = self.slots, self.slots.device
         self.max_rows = max_rows
@@ -70,6 +73,7 @@ class LoRARuntime:
         # Shrink results, two buffers used in turn: each shrink adds into one and zeroes the
         # other's rows of its tiles for the next projection (lora_shrink's docstring).
         self._u = torch.zeros(2, max_rows, widest, dtype=torch.float32, device=device)
+        self._u_pairs = ((self._u[0], self._u[1]), (self._u[1], self._u[0]))  # (add, zero)
         self._u_turn = 0
 
     def set_batch(self, batch: LoRABatch) -> None:
@@ -115,9 +119,6 @@ class LoRARuntime:
             else:
                 add_lora(y, x, self.batch, a, b, offsets, slots.ranks[projection])
             return
-        from services.engine.kernels.triton.lora_expand import lora_expand
-        from services.engine.kernels.triton.lora_shrink import lora_shrink
-
         rows = x.shape[0]
         if rows > self.max_rows:
             raise ValueError(f"{rows} rows, more than max_rows {self.max_rows}")
@@ -125,10 +126,11 @@ class LoRARuntime:
         bound = self.tile_capacity if self.launch_always else self._num_tiles
         ranks = slots.rank_tensors[projection]
         tiles, row_indices = self._tiles, self._row_indices
-        u, zero = self._u[self._u_turn], self._u[1 - self._u_turn]
+        u, zero = self._u_pairs[self._u_turn]
         self._u_turn ^= 1
-        lora_shrink(x, a, u, zero, tiles, row_indices, ranks, tile_rows=TILE_ROWS, tile_bound=bound)
-        lora_expand(
+        shrink, tile_rows = self._shrink, TILE_ROWS
+        shrink(x, a, u, zero, tiles, row_indices, ranks, tile_rows=tile_rows, tile_bound=bound)
+        self._expand(
             u,
             b,
             y,
@@ -136,7 +138,7 @@ class LoRARuntime:
             row_indices,
             ranks,
             self._blocks[projection],
-            tile_rows=TILE_ROWS,
+            tile_rows=tile_rows,
             tile_bound=bound,
         )
 

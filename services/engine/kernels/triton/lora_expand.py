@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.triton.lora_shrink import persistent_grid
+from services.engine.kernels.triton.launch import CachedLaunch
+from services.engine.kernels.triton.lora_shrink import persistent_grid, pow2_at_least
 
 BLOCK_N = 256
 
@@ -89,6 +90,9 @@ def _lora_expand_kernel(
         item += tl.num_programs(0)
 
 
+_launch_expand = CachedLaunch(_lora_expand_kernel)
+
+
 def lora_expand(
     u: torch.Tensor,
     b: torch.Tensor,
@@ -110,12 +114,14 @@ def lora_expand(
     tile_bound as for lora_shrink.
     """
     _, out_features, max_rank = b.shape
-    if y.stride(1) != 1 or b.stride(2) != 1 or u.stride(1) != 1:
+    u_stride, b_stride, y_stride = u.stride(), b.stride(), y.stride()
+    if y_stride[1] != 1 or b_stride[2] != 1 or u_stride[1] != 1:
         raise ValueError("lora_expand needs unit last-dim strides of y, b and u")
     if y.shape[1] != out_features:
         raise ValueError(f"y has {y.shape[1]} columns, B {out_features} rows")
     num_blocks = blocks.shape[0] // 3
-    _lora_expand_kernel[persistent_grid(tile_bound * num_blocks, y.device)](
+    _launch_expand(
+        persistent_grid(tile_bound * num_blocks, y.device),
         u,
         b,
         y,
@@ -124,15 +130,15 @@ def lora_expand(
         slot_ranks,
         blocks,
         num_blocks,
-        u.stride(0),
-        b.stride(0),
-        b.stride(1),
-        y.stride(0),
+        u_stride[0],
+        b_stride[0],
+        b_stride[1],
+        y_stride[0],
         TILE_CAPACITY=(tiles.shape[0] - 1) // 3,
         MAX_RANK=max_rank,
         IEEE=y.dtype == torch.float32,
         BLOCK_M=tile_rows,
         BLOCK_N=BLOCK_N,
-        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        BLOCK_R=pow2_at_least(max_rank),
         num_warps=4,
     )

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels.triton.launch import CachedLaunch
+
 # Programs per SM of the persistent grids (shrink and expand).
 PROGRAMS_PER_SM = 8
 # K per split item: decode-sized steps (few tiles) split finer than prefill-sized ones.
@@ -108,24 +110,57 @@ def _lora_shrink_kernel(
         item += tl.num_programs(0)
 
 
+_launch_shrink = CachedLaunch(_lora_shrink_kernel)
+
+
 def shrink_split_k(rows: int, in_features: int) -> int:
     """K splits: short K loops for decode-sized steps (few tiles), longer ones for prefill."""
     per_split = DECODE_K_PER_SPLIT if rows <= SPLIT_K_MAX_ROWS else PREFILL_K_PER_SPLIT
     return max(1, in_features // per_split)
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2_at_least(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= max(n, floor) (plain Python: a step launches these
+    kernels hundreds of times outside CUDA graphs, so their host side stays lean)."""
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+@functools.lru_cache(maxsize=256)
+def _shrink_launch(
+    decode_sized: bool, in_features: int, width: int, zero_width: int, float32: bool
+) -> tuple[int, dict[str, object]]:
+    """(K splits, the kernel's constexprs) for one shape: computed once, not per launch."""
+    split_k = shrink_split_k(1 if decode_sized else SPLIT_K_MAX_ROWS + 1, in_features)
+    block_k = 64 if width <= 128 else 32
+    return split_k, {
+        "IN_FEATURES": in_features,
+        "K_PER_SPLIT": ceil_div(ceil_div(in_features, split_k), block_k) * block_k,
+        "WIDTH": width,
+        "ZERO_WIDTH": zero_width,
+        "SPLIT_K": split_k,
+        "IEEE": float32,
+        "BLOCK_J": pow2_at_least(width),
+        "BLOCK_K": block_k,
+        "BLOCK_Z": pow2_at_least(zero_width),
+    }
+
+
 def persistent_grid(items: int, device: torch.device) -> tuple[int]:
     """min(items, a few programs per SM) programs, at least one (a few where the device has
     no SMs to count: the Triton interpreter on a CPU)."""
-    return (max(1, min(items, PROGRAMS_PER_SM * _sm_count(device.type, device.index))),)
+    return (max(1, min(items, PROGRAMS_PER_SM * _sm_count(device))),)
 
 
 @functools.cache
-def _sm_count(device_type: str, index: int | None) -> int:
+def _sm_count(device: torch.device) -> int:
     """The device's SMs, asked once (every eager launch sizes its grid from it)."""
-    if device_type != "cuda":
+    if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return torch.cuda.get_device_properties(device.index).multi_processor_count
 
 
 def lora_shrink(
@@ -156,15 +191,18 @@ def lora_shrink(
         x = x.contiguous()
     _, num_slices, max_rank, in_features = a.shape
     width = num_slices * max_rank
-    if a[0].stride() != (max_rank * in_features, in_features, 1):
+    if a.stride()[1:] != (max_rank * in_features, in_features, 1):
         raise ValueError("lora_shrink needs each slot of a contiguous")
-    if u.dtype != torch.float32 or u.stride() != zero.stride() or u.stride(1) != 1:
+    u_stride = u.stride()
+    if u.dtype != torch.float32 or u_stride != zero.stride() or u_stride[1] != 1:
         raise ValueError("lora_shrink needs float32 u and zero of one row-major layout")
     if u.shape[0] < rows or u.shape[1] < width:
         raise ValueError(f"u is {tuple(u.shape)}, {rows} rows of {width} due")
-    split_k = shrink_split_k(rows, in_features)
-    block_k = 64 if width <= 128 else 32
-    _lora_shrink_kernel[persistent_grid(tile_bound * split_k, x.device)](
+    split_k, constants = _shrink_launch(
+        rows <= SPLIT_K_MAX_ROWS, in_features, width, zero.shape[1], x.dtype == torch.float32
+    )
+    _launch_shrink(
+        persistent_grid(tile_bound * split_k, x.device),
         x,
         a,
         u,
@@ -174,18 +212,10 @@ def lora_shrink(
         slot_ranks,
         x.stride(0),
         a.stride(0),
-        u.stride(0),
-        IN_FEATURES=in_features,
-        K_PER_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
+        u_stride[0],
         TILE_CAPACITY=(tiles.shape[0] - 1) // 3,
-        WIDTH=width,
-        ZERO_WIDTH=zero.shape[1],
         MAX_RANK=max_rank,
-        SPLIT_K=split_k,
-        IEEE=x.dtype == torch.float32,
         BLOCK_M=tile_rows,
-        BLOCK_J=max(16, triton.next_power_of_2(width)),
-        BLOCK_K=block_k,
-        BLOCK_Z=max(16, triton.next_power_of_2(zero.shape[1])),
         num_warps=4,
+        **constants,
     )

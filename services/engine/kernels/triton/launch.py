@@ -1,0 +1,86 @@
+"""CachedLaunch: a Triton kernel launched without its JIT dispatch after the first time.
+
+Outside CUDA graphs (prefill and mixed steps) the LoRA kernels launch hundreds of times a step,
+and Triton's own launch path (bind the arguments, specialize each one, build the cache key,
+look the kernel up) costs more host time than the kernels take on the GPU. `CachedLaunch`
+goes through `kernel[grid](...)` once per specialization and keeps the compiled kernel; later
+launches with the same specialization call its launcher directly.
+
+The specialization key is at least as fine as Triton's for the argument kinds these kernels
+take: a tensor's dtype and whether its address is 16-byte aligned; an int's being 1, a
+multiple of 16, or outside int32; every constexpr and launch option by value. So a direct
+launch always runs the kernel Triton itself would pick. Whenever a launch hook is set (a
+profiler) or the launcher is missing, launches take Triton's full path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+# False: every launch takes Triton's full path (benchmarks.lora_launch_bench compares both).
+DIRECT_LAUNCH = True
+
+
+def _arg_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return (type(value), value)
+    return (value == 1, value % 16 == 0, INT32_MIN <= value <= INT32_MAX)
+
+
+class CachedLaunch:
+    """`launch(grid, *args, **constexprs_and_options)` for one `@triton.jit` function whose
+    runtime arguments are passed positionally and whose constexprs (and `num_warps`) by name."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._names = tuple(kernel.arg_names)
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self.direct_launches = 0  # launches that skipped the JIT dispatch (for tests)
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, **named: Any) -> None:
+        """Launch on the current stream. Pass the constexprs in one order at each call site
+        (they are part of the key as given)."""
+        device = args[0].get_device() if isinstance(args[0], torch.Tensor) else -1
+        key = (tuple(map(_arg_key, args)), tuple(named.items()), device)
+        compiled = self._compiled.get(key)
+        if (
+            compiled is None
+            or not DIRECT_LAUNCH
+            or _hooked(knobs.runtime.launch_enter_hook)
+            or _hooked(knobs.runtime.launch_exit_hook)
+        ):
+            compiled = self.kernel[grid](*args, **named)
+            if compiled is not None and hasattr(compiled, "run"):  # None: the interpreter
+                self._compiled[key] = compiled
+            return
+        values = list(args)
+        values.extend(named[name] for name in self._names[len(args) :])
+        stream = driver.active.get_current_stream(device)
+        compiled.run(
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *values,
+        )
+        self.direct_launches += 1
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is set: an empty chain of hooks (Triton's default) is not."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True

@@ -12,8 +12,10 @@ them before any later step runs, as all steps share one stream).
 
 Scheduling ahead happens only when it cannot change what the plain path would do: every
 running sequence was sampled at step N, none is certain to stop there on length, all sample
-plain argmax, no waiting request could be admitted, and the free blocks cover every
-sequence's next slot (no preemption). Plain Python, no tensors.
+plain argmax, no waiting request could be admitted and no paused one resumed (requests
+of LoRA adapters that can get no device slot now may wait or stay paused), no LoRA slot is
+due to change hands, and the free blocks cover every sequence's next slot (no preemption).
+Plain Python, no tensors.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ def can_schedule_ahead(
         return False
     if count > config.max_num_batched_tokens:
         return False
-    if scheduler.waiting and count < config.max_num_seqs:
-        return False  # a waiting request could be admitted: the plain path decides
-    if scheduler.paused:
-        return False  # paused sequences may resume or others pause: the plain path decides
+    if scheduler.adapter_turn_due():
+        # A waiting request could be admitted, a paused one resume or a LoRA slot change
+        # hands: the plain path decides. Waiting and paused sequences whose adapters can get
+        # no slot now stay as they are either way.
+        return False
     sampled = {id(seq) for seq in launched.to_sample}
     new_blocks = 0
     for seq in running:

@@ -23,6 +23,7 @@ budget allows beside the step's decodes; without one, only the token budget coun
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
@@ -71,6 +72,11 @@ class AdapterSlots(Protocol):
 
     def slots_to_yield(self) -> list[int]:
         """Slots whose running sequences should pause now."""
+        ...
+
+    def turn_due(self, sequences: Iterable[Sequence]) -> bool:
+        """Whether a schedule now could change who holds the slots: a slot to yield or to
+        start draining, or one of these (paused or waiting) sequences able to get a slot."""
         ...
 
 
@@ -155,6 +161,20 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.paused)
+
+    def adapter_turn_due(self) -> bool:
+        """Whether a schedule now could pause, resume or admit anything: a waiting sequence
+        that could be admitted, a paused one that could resume, a LoRA slot to yield or drain.
+        False means the running set stays as it is (a step may be planned ahead)."""
+        room = len(self.running) < self.config.max_num_seqs
+        if self.adapter_slots is None:
+            return bool(self.waiting) and room  # (nothing pauses without adapters)
+        if not (self.waiting or self.paused):
+            return False
+        candidates = [entry[2] for entry in self.waiting] if room else []
+        return self.adapter_slots.turn_due([*self.paused, *candidates]) or bool(
+            self.adapter_slots.slots_to_yield()
+        )
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self, *, rotate: bool = True) -> SchedulerOutput:

@@ -53,8 +53,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def _llm(directory: Path, device: str) -> LLM:
+def _llm(directory: Path, device: str, quantum_ms: float | None = None) -> LLM:
+    slicing = {} if quantum_ms is None else {"lora_slot_quantum_ms": quantum_ms}
     config = EngineConfig(
+        **slicing,
         model=str(directory / "base"),
         device=device,
         dtype="float32",
@@ -115,3 +117,19 @@ def test_mixed_adapters_on_cuda_match_alone_and_the_cpu_engine(model_dir: Path) 
     for llm in (gpu, cpu):
         llm.engine.shutdown()
     torch.cuda.synchronize()
+
+
+def test_time_sliced_slots_with_steps_planned_ahead_keep_every_token(model_dir: Path) -> None:
+    """Slots that change hands every 10 ms: requests pause and resume while the engine
+    plans steps ahead between the turns; each request's tokens stay those it gets alone."""
+    gpu = _llm(model_dir, "cuda", quantum_ms=10.0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
+    names = [name for name in ADAPTERS for _ in range(3)]
+    prompts = [PROMPTS[index % len(PROMPTS)] for index in range(len(names))]
+    mixed = gpu.generate(prompts, greedy, adapters=names)
+    engine = gpu.engine
+    assert engine.scheduler.num_pauses > 0 and engine.num_overlapped_steps > 0
+    for name, prompt, output in zip(names, prompts, mixed, strict=True):
+        alone = gpu.generate([prompt], greedy, adapters=name)[0]
+        assert output.token_ids == alone.token_ids, (name, prompt)
+    engine.shutdown()

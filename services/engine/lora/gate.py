@@ -12,6 +12,8 @@ running sequences the scheduler pauses so that waiting adapters get the slots.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from services.common.errors import SluiceError
 from services.common.protocol.adapter_record import AdapterRecord
 from services.engine.lora.batch import BASE_SLOT
@@ -63,6 +65,25 @@ class AdapterGate:
         if self.slot_quantum_s <= 0:
             return []
         return self.manager.slots_to_yield(self.slot_quantum_s)
+
+    def turn_due(self, sequences: Iterable[Sequence]) -> bool:
+        """Whether a schedule now could change who holds the slots: a slot due to start
+        draining, or one of `sequences` (paused or waiting) able to get its adapter's slot
+        (a base-model one always can)."""
+        manager = self.manager
+        if manager.drain_due():
+            return True
+        seen: set[int] = set()
+        for seq in sequences:
+            record = self._records.get(seq.seq_id)
+            if record is None:
+                return True
+            if id(record) in seen:
+                continue
+            seen.add(id(record))
+            if manager.could_acquire(record):
+                return True
+        return False
 
     def drop(self, seq: Sequence) -> None:
         """The request is finished or aborted: release its slot and its demand."""

@@ -87,10 +87,16 @@ class AdapterManager:
         self._clock = clock
         self.num_loads = 0
         self.num_slot_writes = 0
+        # An adapter refused a slot is refused again without a look until something that could
+        # free one for it changes (a release, a drop, a step's poll): a step with hundreds of
+        # paused or waiting sequences of adapters without a slot asks once per adapter.
+        self._version = 0
+        self._refused: dict[Key, int] = {}
 
     # ---- catalogue ------------------------------------------------------------------------
     def register(self, record: AdapterRecord) -> None:
         """Add or replace the adapter called `record.name` (requests in flight keep theirs)."""
+        self._version += 1
         self._records[record.name] = record
         self._failed.pop(record.key, None)
 
@@ -128,6 +134,7 @@ class AdapterManager:
 
     def drop(self, record: AdapterRecord) -> None:
         """A request that held `record` is finished (or refused)."""
+        self._version += 1
         count = self._demand.get(record.key, 0) - 1
         if count > 0:
             self._demand[record.key] = count
@@ -149,6 +156,15 @@ class AdapterManager:
         paused: `slots_to_yield`) a waiting adapter gets it (no adapter waits forever behind a
         steady stream of requests for resident ones).
         """
+        key = record.key
+        if self._refused.get(key) == self._version:
+            return None  # refused since the last change that could free a slot for it
+        slot = self._try_acquire(record)
+        if slot is None:
+            self._refused[key] = self._version
+        return slot
+
+    def _try_acquire(self, record: AdapterRecord) -> int | None:
         slot = self._slot_of(record.key)
         if slot is not None and slot in self._draining:
             return None
@@ -162,6 +178,7 @@ class AdapterManager:
                 return None
             self._slots[slot].pending = self._write_slot(slot, weights)
             self.num_slot_writes += 1
+            self._version += 1  # the adapter it held waits now: its next ask may drain a slot
             self._slots[slot].key = record.key
             self._slot_order.move_to_end(slot)  # not the next one taken while it waits
             self._draining.pop(slot, None)
@@ -176,16 +193,35 @@ class AdapterManager:
         self._slot_order.move_to_end(slot)
         return slot
 
+    def could_acquire(self, record: AdapterRecord) -> bool:
+        """Whether `acquire(record)` could pin a slot now (changes nothing)."""
+        slot = self._slot_of(record.key)
+        if slot is not None:
+            pending = self._slots[slot].pending
+            return slot not in self._draining and (pending is None or pending.done())
+        return record.key in self._host and self._free_slot() is not None
+
+    def drain_due(self) -> bool:
+        """Whether an adapter waiting for a slot would start a slot draining now."""
+        limit = min(self._num_blocked(), max(1, self.max_loras // 4))
+        return len(self._draining) < limit and any(
+            slot not in self._draining and not self._reserved(self._slots[slot])
+            for slot in self._slot_order
+        )
+
     def release(self, slot: int) -> None:
         """A sequence stopped using `slot` (finished or preempted)."""
         entry = self._slots[slot]
         if entry.pins <= 0:
             raise SluiceError(f"LoRA slot {slot} released more often than acquired")
         entry.pins -= 1
+        self._version += 1
 
     # ---- step -----------------------------------------------------------------------------
     def poll(self) -> list[tuple[AdapterRecord, SluiceError]]:
         """Collect finished loads and start new ones; returns the loads that failed."""
+        self._version += 1  # slot copies may have landed since the last step
+        self._refused.clear()
         failures: list[tuple[AdapterRecord, SluiceError]] = []
         for key, (record, future) in list(self._loading.items()):
             if not future.done():
@@ -222,6 +258,7 @@ class AdapterManager:
 
     def wait_for_writes(self) -> int:
         """Block until every pending slot write has landed; how many there were."""
+        self._version += 1
         count = 0
         for entry in self._slots:
             if entry.pending is not None:

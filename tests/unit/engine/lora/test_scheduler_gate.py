@@ -136,3 +136,64 @@ def test_a_failed_load_names_the_waiting_sequences() -> None:
     ]
     engine.finish(seq)
     assert engine.gate.num_held == 0
+
+
+def test_a_turn_is_due_only_when_a_schedule_could_change_who_holds_the_slots() -> None:
+    """What lets the engine plan a step ahead (services/engine/overlap.py) with requests paused
+    or waiting for a slot: nothing a plain schedule would do for them now."""
+    now = [0.0]
+    executor = ManualExecutor()
+    manager = AdapterManager(
+        max_loras=1,
+        max_cpu_loras=2,
+        load=lambda record: record.name,
+        write_slot=lambda slot, weights: None,
+        executor=executor,
+        clock=lambda: now[0],
+    )
+    for name in ("a", "b"):
+        manager.register(AdapterRecord(name, name, "sum", 8, ("q_proj",)))
+    gate = AdapterGate(manager, slot_quantum_s=0.5)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    scheduler = Scheduler(config, BlockManager(64, 4), gate)
+
+    def add(adapter: str | None) -> Sequence:
+        seq_id = next(_ids)
+        params = SamplingParams(max_tokens=50)
+        seq = Sequence(seq_id, f"r{seq_id}", [1, 2, 3, 4], params, adapter=adapter)
+        gate.hold(seq)
+        scheduler.add(seq)
+        return seq
+
+    def step() -> None:
+        gate.poll()
+        executor.run_all()
+        gate.poll()
+        for seq, count in scheduler.schedule().scheduled:
+            seq.num_computed_tokens += count
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(5)
+
+    first = add("a")
+    step()
+    assert first in scheduler.running and not scheduler.adapter_turn_due()
+    second = add("b")
+    step()  # b's weights load and find the one slot pinned by a: it starts draining
+    assert manager.draining_slots == (0,) and second.status is SequenceStatus.WAITING
+    assert not scheduler.adapter_turn_due()  # b waits out a's quantum: nothing to change
+    now[0] += 0.6
+    assert scheduler.adapter_turn_due()  # the quantum passed: a's slot is due to yield
+    step()
+    assert first in scheduler.paused and second in scheduler.running
+    assert manager.draining_slots == (0,)  # a, paused, asked at once: b's turn is counted
+    assert not scheduler.adapter_turn_due()
+    step()
+    assert not scheduler.adapter_turn_due() and first in scheduler.paused
+    now[0] += 0.6
+    assert scheduler.adapter_turn_due()  # b's quantum passed: a resumes next
+    step()
+    assert first in scheduler.running and second in scheduler.paused
+    base = add(None)
+    assert scheduler.adapter_turn_due()  # a base-model request can always be admitted
+    step()
+    assert base in scheduler.running

@@ -11,6 +11,15 @@ kernels compiled after the warm-up are listed (a compile on the serving path is 
 request).
 
     python -m benchmarks.gpu_step_profile --requests 600 --caps 512,384,256 --out profile.json
+
+With `--adapters N` the engine serves N random rank-`--rank` PEFT adapters (all seven
+projections) in `--max-loras` slots, all loaded into host memory first, and every cap runs
+twice on it: the requests on the base model, then each naming an adapter drawn Zipf
+(`--zipf-s`) over the N; both profiled, so the LoRA steps' kernels, their share of the wall
+time and the host's gaps compare with the base steps' of the same engine.
+
+    python -m benchmarks.gpu_step_profile --adapters 48 --max-loras 16 --caps 256 \
+        --low-requests 0 --out lora-profile.json
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -27,6 +37,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.gpu_stack import DEFAULT_MODEL, fixed_specs, percentiles_ms
+from benchmarks.lora_stack_adapters import write_adapters
+from loadtest.datasets import choose_adapters
 
 # Kernel families by substrings of the kernel name, first match wins.
 FAMILIES = (
@@ -49,8 +61,16 @@ def family(name: str) -> str:
     return "other"
 
 
-def run_pass(engine: Any, specs: list, cap: int, profile_steps: int, tag: str) -> dict[str, Any]:
-    """One pass of `specs` under a running-batch cap; profiles steady steps if asked."""
+def run_pass(
+    engine: Any,
+    specs: list,
+    cap: int,
+    profile_steps: int,
+    tag: str,
+    adapters: list[str] | None = None,
+) -> dict[str, Any]:
+    """One pass of `specs` under a running-batch cap (each naming `adapters[i]` when given:
+    "" is the base model); profiles steady steps if asked."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -58,9 +78,12 @@ def run_pass(engine: Any, specs: list, cap: int, profile_steps: int, tag: str) -
 
     scheduler = engine.scheduler
     scheduler.config = dataclasses.replace(scheduler.config, max_num_seqs=cap)
-    for spec in specs:
+    for number, spec in enumerate(specs):
         params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
-        engine.add_request(f"{tag}-{spec.index}", list(spec.prompt_token_ids), params)
+        adapter = adapters[number] if adapters else None
+        engine.add_request(
+            f"{tag}-{spec.index}", list(spec.prompt_token_ids), params, adapter=adapter or None
+        )
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     tokens: dict[str, int] = defaultdict(int)
@@ -68,6 +91,7 @@ def run_pass(engine: Any, specs: list, cap: int, profile_steps: int, tag: str) -
     profile_from = 120
     profiler = None
     profiled: dict[str, Any] = {}
+    host = HostTimers(engine)
     started = time.perf_counter()
     while engine.has_unfinished():
         index = len(steps)
@@ -76,6 +100,7 @@ def run_pass(engine: Any, specs: list, cap: int, profile_steps: int, tag: str) -
             profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             profiler.__enter__()
             profile_started = time.perf_counter()
+            host.start()
         output = engine.step()
         now = time.perf_counter()
         decoded = 0
@@ -92,6 +117,7 @@ def run_pass(engine: Any, specs: list, cap: int, profile_steps: int, tag: str) -
             wall = time.perf_counter() - profile_started
             profiler.__exit__(None, None, None)
             profiled = kernel_breakdown(profiler, wall, steps[profile_from:])
+            profiled["host_ms"] = host.stop()
             profiler = None
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
@@ -109,6 +135,11 @@ def run_pass(engine: Any, specs: list, cap: int, profile_steps: int, tag: str) -
         "mixed_steps": {"count": len(mixed), **mean_columns(mixed)},
         "decode_steps": {"count": len(decode_only), **mean_columns(decode_only)},
     }
+    if adapters:
+        result["adapter_requests"] = sum(1 for name in adapters if name)
+        result["pauses"] = scheduler.num_pauses
+        if engine.adapters is not None:
+            result["slot_writes"] = engine.adapters.manager.num_slot_writes
     if profiled:
         result["profile"] = profiled
     print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
@@ -188,6 +219,54 @@ def mean_columns(steps: list[tuple[float, int, int]]) -> dict[str, float]:
     }
 
 
+class HostTimers:
+    """Host time spent in the scheduler and in the per-step LoRA layout while profiling."""
+
+    def __init__(self, engine: Any) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._targets = [(engine.scheduler, "schedule")]
+        if engine.adapters is not None:
+            self._targets.append((engine.adapters, "begin_step"))
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def start(self) -> None:
+        for owner, name in self._targets:
+            original = getattr(owner, name)
+            self._saved.append((owner, name, original))
+            setattr(owner, name, self._timed(name, original))
+
+    def stop(self) -> dict[str, float]:
+        for owner, name, _ in self._saved:
+            delattr(owner, name)  # the instance attribute goes: the method shows again
+        self._saved.clear()
+        return {name: round(total * 1e3, 2) for name, total in self.totals.items()}
+
+    def _timed(self, name: str, original: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[name] += time.perf_counter() - began
+
+        return timed
+
+
+def load_adapters(engine: Any, names: list[str]) -> None:
+    """Register the adapters and bring each into host memory (one short request each), so
+    the passes measure steps, not disk reads."""
+    from services.common.protocol.sampling_params import SamplingParams
+
+    for name in names:
+        engine.register_adapter(engine.inspect_adapter(name, name))
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"load-{name}", [1, 2, 3], params, adapter=name)
+    while engine.has_unfinished():
+        if engine.waiting_for_adapters():
+            engine.wait_for_adapter_load(0.1)
+        engine.step()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu_step_profile", description=__doc__.splitlines()[0]
@@ -199,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--low-requests", type=int, default=30, help="0: no low-load pass")
     parser.add_argument("--low-rate", type=float, default=3.0, help="req/s of the low-load pass")
     parser.add_argument("--target-step-ms", type=float, default=0.0)
+    parser.add_argument("--adapters", type=int, default=0, help="random LoRA adapters (0: none)")
+    parser.add_argument("--max-loras", type=int, default=16, help="device slots")
+    parser.add_argument("--rank", type=int, default=16, help="the adapters' rank")
+    parser.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the draw")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     import torch
@@ -207,11 +290,27 @@ def main(argv: list[str] | None = None) -> int:
     from services.engine.config import EngineConfig
     from services.engine.llm_engine import LLMEngine
 
+    lora: dict[str, Any] = {}
+    names: list[str] = []
+    if args.adapters:
+        root = Path(tempfile.mkdtemp(prefix="step-profile-adapters-"))
+        written = write_adapters(
+            root, args.model, args.adapters, args.rank, progress=lambda *_: None
+        )
+        names = written.pop("names")
+        lora = {
+            "adapter_root": str(root),
+            "max_loras": args.max_loras,
+            "max_cpu_loras": args.adapters,
+            "max_lora_rank": args.rank,
+        }
     engine = LLMEngine(
-        EngineConfig(model=args.model, device="cuda", target_step_ms=args.target_step_ms)
+        EngineConfig(model=args.model, device="cuda", target_step_ms=args.target_step_ms, **lora)
     )
     warm = engine.warm_up()
     print(warm.summary(), flush=True)  # the warm-up armed the engine's compile watch
+    if names:
+        load_adapters(engine, names)
     low_started = time.monotonic()
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
@@ -236,16 +335,20 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print(json.dumps(low), flush=True)
         report["low_load"] = low
+    drawn = choose_adapters(np.random.default_rng(4), names, "zipf", args.zipf_s, len(specs))
+    report["adapters"] = {"count": args.adapters, "max_loras": args.max_loras, "rank": args.rank}
+    mixes = [("base", None), ("lora", drawn)] if names else [("base", None)]
     for number, cap in enumerate(int(value) for value in args.caps.split(",")):
-        compiled_before = len(compile_watch.late_compiles())
-        result = run_pass(
-            engine, specs, cap, args.profile_steps if number == 0 else 0, f"pass{number}"
-        )
-        result["compiled_after_warm_up"] = [
-            what for _, what in compile_watch.late_compiles()[compiled_before:]
-        ]
-        report["passes"].append(result)
-        args.out.write_text(json.dumps(report, indent=1))
+        for mix, adapters in mixes:
+            compiled_before = len(compile_watch.late_compiles())
+            profile_steps = args.profile_steps if number == 0 else 0
+            result = run_pass(engine, specs, cap, profile_steps, f"pass{number}-{mix}", adapters)
+            result["requests_on"] = mix
+            result["compiled_after_warm_up"] = [
+                what for _, what in compile_watch.late_compiles()[compiled_before:]
+            ]
+            report["passes"].append(result)
+            args.out.write_text(json.dumps(report, indent=1))
     return 0
 
 

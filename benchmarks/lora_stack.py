@@ -99,6 +99,7 @@ def start_stack(
         "--lora-max-wait-s", str(args.lora_max_wait_s),
         "--max-queue-delay-s", str(args.max_queue_delay_s),
         "--metrics-port", str(metrics_port), "--log-level", "WARNING",
+        *args.router_args.split(),
     )  # fmt: skip
     log_dir.mkdir(parents=True, exist_ok=True)
     config = StackConfig(
@@ -358,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--workers", type=int, default=4, help="load-generator processes")
     add("--seed", type=int, default=0)
     add("--engine-args", default="", help='more engine flags, e.g. "--kv-cache-bytes 1000000"')
+    add(
+        "--router-args", default="",
+        help='more router flags for both stacks, e.g. "--max-inflight-per-engine 1024"',
+    )  # fmt: skip
     add("--adapter-dir", type=Path, default=None, help="write adapters here and keep them")
     add("--log-dir", type=Path, default=None, help="the services' logs (default: a temp dir)")
     add(

@@ -159,10 +159,6 @@ class EngineAdapters:
         """Block until the slot writes in flight land (when nothing else can run)."""
         return self.manager.wait_for_writes()
 
-    @property
-    def num_pending_slot_writes(self) -> int:
-        return self.manager.num_pending_writes
-
     def resident(self) -> tuple[str, ...]:
         return self.manager.resident()
 

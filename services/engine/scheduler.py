@@ -75,8 +75,9 @@ class AdapterSlots(Protocol):
         ...
 
     def turn_due(self, sequences: Iterable[Sequence]) -> bool:
-        """Whether a schedule now could change who holds the slots: a slot to yield or to
-        start draining, or one of these (paused or waiting) sequences able to get a slot."""
+        """Whether a schedule now could change who holds the slots (besides slots_to_yield):
+        a slot due to start draining, or one of these (paused or waiting) sequences able to
+        get its adapter's slot."""
         ...
 
 

@@ -113,12 +113,6 @@ def _lora_shrink_kernel(
 _launch_shrink = CachedLaunch(_lora_shrink_kernel)
 
 
-def shrink_split_k(rows: int, in_features: int) -> int:
-    """K splits: short K loops for decode-sized steps (few tiles), longer ones for prefill."""
-    per_split = DECODE_K_PER_SPLIT if rows <= SPLIT_K_MAX_ROWS else PREFILL_K_PER_SPLIT
-    return max(1, in_features // per_split)
-
-
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -133,8 +127,10 @@ def pow2_at_least(n: int, floor: int = 16) -> int:
 def _shrink_launch(
     decode_sized: bool, in_features: int, width: int, zero_width: int, float32: bool
 ) -> tuple[int, dict[str, object]]:
-    """(K splits, the kernel's constexprs) for one shape: computed once, not per launch."""
-    split_k = shrink_split_k(1 if decode_sized else SPLIT_K_MAX_ROWS + 1, in_features)
+    """(K splits, the kernel's constexprs) for one shape: computed once, not per launch.
+    Decode-sized steps (few tiles) split K finer than prefill-sized ones."""
+    per_split = DECODE_K_PER_SPLIT if decode_sized else PREFILL_K_PER_SPLIT
+    split_k = max(1, in_features // per_split)
     block_k = 64 if width <= 128 else 32
     return split_k, {
         "IN_FEATURES": in_features,

@@ -169,6 +169,7 @@ class CudaModelRunner(BaseModelRunner):
         self.capabilities = CudaRunnerCapabilities(
             greedy_ids=True,
             overlap_max_batch=largest if self.use_cuda_graphs else 0,
+            overlap_mixed=self.use_cuda_graphs,
             graph_batch_sizes=self.fast.graphs.buckets if self.use_cuda_graphs else (),
         )
         self.execution_path = (
@@ -274,9 +275,7 @@ class CudaModelRunner(BaseModelRunner):
         elif self._graph_ready(batch):
             ids = self._graph_decode(batch)[1]
         else:
-            if any(PENDING_TOKEN in seq.token_ids for seq in batch.sequences):
-                raise InvalidArgumentError("a pending token needs a graph decode step")
-            ids = self._eager(batch).argmax(dim=-1)
+            ids = self._eager(batch, with_pending=True).argmax(dim=-1)
         sampled = [seq.seq_id for seq in batch.sequences if seq.needs_logits]
         self._previous_rows = {seq_id: row for row, seq_id in enumerate(sampled)}
         self._previous_ids = ids
@@ -297,15 +296,34 @@ class CudaModelRunner(BaseModelRunner):
             and all(seq.needs_logits for seq in batch.sequences)
         )
 
-    def _eager(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Prefill, mixed or oversized steps: the fused kernels without a graph."""
-        input_ids, positions, metadata = self.prepare_inputs(batch)
+    def _eager(self, batch: ScheduledBatch, *, with_pending: bool = False) -> torch.Tensor:
+        """Prefill, mixed or oversized steps: the fused kernels without a graph. With
+        `with_pending`, a decode row's sequence.PENDING_TOKEN is the id the previous launch
+        sampled for that sequence, filled in on the device (no wait for it)."""
+        pending: list[tuple[int, int]] | None = [] if with_pending else None
+        input_ids, positions, metadata = self.prepare_inputs(batch, pending=pending)
+        if pending:
+            self._fill_pending(input_ids, pending)
         if self.tensor_parallel is not None:  # the other ranks run the same step
             self.tensor_parallel.send_step(input_ids, positions, metadata)
         self.eager_steps += 1
         # Every token's K/V lands in the cache, whether any row samples or not.
         with after_send(self.tensor_parallel):
             return self.fast.forward(input_ids, positions, metadata)
+
+    def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, int]]) -> None:
+        """input_ids[index] = the previous launch's id for each (flat index, seq_id)."""
+        rows = self._previous_rows
+        pairs = []
+        for index, seq_id in pending:
+            source = rows.get(seq_id)
+            if source is None:
+                raise InvalidArgumentError(
+                    f"sequence {seq_id} has a pending token the last step did not sample"
+                )
+            pairs.append((index, source))
+        index, source = torch.tensor(pairs, dtype=torch.long).t().to(self.device)
+        input_ids.index_copy_(0, index, self._previous_ids.index_select(0, source))
 
     @torch.inference_mode()
     def reference_execute(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +44,12 @@ from services.engine.outputs import (
     StepOutput,
     TokenLogprob,
 )
-from services.engine.overlap import LaunchedStep, OverlappedSteps, can_schedule_ahead
+from services.engine.overlap import (
+    LaunchedStep,
+    OverlappedSteps,
+    can_schedule_ahead,
+    hold_back_ahead,
+)
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import Sequence
@@ -155,6 +160,7 @@ class LLMEngine(OverlappedSteps):
         if self.adapters is not None and self._launch_greedy is not None:
             self._launch_greedy = self._with_adapters(self._launch_greedy)
         self._overlap_max_batch = capabilities.overlap_max_batch
+        self._overlap_mixed = capabilities.supports_overlap and capabilities.overlap_mixed
         self._launched: LaunchedStep | None = None
         self.num_overlapped_steps = 0
         self.info = EngineInfo(
@@ -481,16 +487,7 @@ class LLMEngine(OverlappedSteps):
             if launched is None:
                 elapsed = time.perf_counter() - started
                 return StepOutput(deltas, self.load(), elapsed, plan.batch.num_tokens)
-        ahead = None
-        if can_schedule_ahead(
-            launched,
-            self.scheduler,
-            self.block_manager,
-            max_batch=self._overlap_max_batch,
-            max_model_len=self.info.max_model_len,
-            plain_greedy=lambda seq: self._plain_greedy([(seq, 1)]),
-        ):
-            ahead = self._launch(self.scheduler.schedule(rotate=False), deltas, continuation=True)
+        ahead = self._launch_ahead(launched, deltas)
         if not self._collect(launched, deltas):
             ahead = self._fail_step(ahead, deltas, "its previous step failed")
         if ahead is not None and not ahead.all_finished:
@@ -498,6 +495,38 @@ class LLMEngine(OverlappedSteps):
             self.num_overlapped_steps += 1
         elapsed = time.perf_counter() - started
         return StepOutput(deltas, self.load(), elapsed, launched.num_tokens)
+
+    def _launch_ahead(
+        self, launched: LaunchedStep, deltas: list[SequenceDelta]
+    ) -> LaunchedStep | None:
+        """Plan and launch the next step while `launched` runs, where that changes nothing
+        (services/engine/overlap.py); None where it cannot or there is nothing to run."""
+        plain_greedy = self._plain_greedy_one
+        if self._overlap_mixed:
+            hold = hold_back_ahead(
+                launched,
+                self.scheduler,
+                self.block_manager,
+                max_model_len=self.info.max_model_len,
+                plain_greedy=plain_greedy,
+            )
+            if hold is None:
+                return None
+            plan = self.scheduler.schedule(hold=hold)
+            if plan.is_empty:
+                return None
+            return self._launch(plan, deltas, continuation=True)
+        if not can_schedule_ahead(
+            launched,
+            self.scheduler,
+            self.block_manager,
+            max_batch=self._overlap_max_batch,
+            max_model_len=self.info.max_model_len,
+            plain_greedy=plain_greedy,
+        ):
+            return None
+        plan = self.scheduler.schedule(rotate=False)
+        return self._launch(plan, deltas, continuation=True, pure_decode=True)
 
     def _run(
         self, plan: SchedulerOutput, deltas: list[SequenceDelta], started: float
@@ -554,7 +583,10 @@ class LLMEngine(OverlappedSteps):
                 to_sample.append(seq)
         return to_sample
 
-    def _plain_greedy(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+    def _plain_greedy_one(self, seq: Sequence) -> bool:
+        return self._plain_greedy(((seq, 1),))
+
+    def _plain_greedy(self, scheduled: Iterable[tuple[Sequence, int]]) -> bool:
         """Whether every scheduled sequence samples plain argmax (the sampler would do nothing
         else): temperature 0, no logprobs, no penalties, min_tokens reached. Then the runner's
         `execute_greedy` skips building the [rows, vocab] logits."""

@@ -37,6 +37,7 @@ from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.loader.weights import build_model
 from services.engine.models.config import ModelConfig
 from services.engine.parallel.guard import after_send
+from services.engine.sequence import PENDING_TOKEN
 
 if TYPE_CHECKING:
     from services.engine.lora.engine_adapters import EngineAdapters
@@ -55,6 +56,10 @@ class RunnerCapabilities:
     # this many sequences, so the engine may schedule the next step before reading its ids
     # (services/engine/overlap.py); 0: the runner cannot.
     overlap_max_batch: int = 0
+    # launch_greedy also takes pending tokens in steps with prompt rows (eager steps of any
+    # size), so the engine may plan any all-greedy step ahead: admissions, LoRA slot turns
+    # and chunked prefills included, not only a graph replay of the same running set.
+    overlap_mixed: bool = False
 
     @property
     def supports_overlap(self) -> bool:
@@ -231,9 +236,14 @@ class BaseModelRunner:
         return hidden.index_select(0, metadata.logits_indices)
 
     def prepare_inputs(
-        self, batch: ScheduledBatch
+        self, batch: ScheduledBatch, *, pending: list[tuple[int, int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat tensors of one step: token ids, positions and the attention metadata."""
+        """Flat tensors of one step: token ids, positions and the attention metadata.
+
+        With `pending` (a list to fill), a decode token may be sequence.PENDING_TOKEN: its
+        (flat index, seq_id) goes into `pending` and its id stays 0 for the caller to fill on
+        the device.
+        """
         block_size = self.block_size
         max_model_len = self.model_config.max_model_len
         token_ids: list[int] = []
@@ -263,7 +273,11 @@ class BaseModelRunner:
                     f"sequence {seq.seq_id} reaches {end} tokens, over max_model_len "
                     f"{max_model_len}"
                 )
-            token_ids += seq.token_ids
+            if pending is not None and count == 1 and seq.token_ids[0] == PENDING_TOKEN:
+                pending.append((total, seq.seq_id))
+                token_ids.append(0)
+            else:
+                token_ids += seq.token_ids
             if count == 1:  # a decode: one position, one slot
                 positions.append(start)
                 slots.append(table[start // block_size] * block_size + start % block_size)

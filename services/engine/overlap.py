@@ -21,7 +21,7 @@ Plain Python, no tensors.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -90,6 +90,57 @@ def can_schedule_ahead(
     return new_blocks <= block_manager.num_free_blocks
 
 
+def hold_back_ahead(
+    launched: LaunchedStep,
+    scheduler: Scheduler,
+    block_manager: BlockManager,
+    *,
+    max_model_len: int,
+    plain_greedy: Callable[[Sequence], bool],
+) -> set[int] | None:
+    """Whether any all-greedy step may be planned before `launched`'s tokens are read, for a
+    runner that takes pending tokens in every step (`overlap_mixed`): None if not, else the
+    seq_ids the plan must leave out (sure to stop at `launched` on length).
+
+    Unlike `can_schedule_ahead`, the plan may admit waiting requests (prompt rows), pause and
+    resume sequences for LoRA slot turns and go on with chunked prefills: every sequence's next
+    input is known on the host or sampled on the device by `launched`. It must not preempt a
+    sequence whose token is pending (the scheduler's `hold` mode never does) and every
+    sequence it could schedule must sample plain argmax.
+    """
+    running = scheduler.running
+    if not running or len(running) > scheduler.config.max_num_batched_tokens:
+        return None
+    sampled = {id(seq) for seq in launched.to_sample}
+    hold: set[int] = set()
+    new_blocks = 0
+    for seq in running:
+        if seq.status is not SequenceStatus.RUNNING:
+            return None
+        if id(seq) in sampled:
+            if seq.num_pending_tokens != 1 or seq.num_uncomputed_tokens != 1:
+                return None
+            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
+                hold.add(seq.seq_id)  # it stops at `launched`: nothing to plan for it
+                continue
+        elif seq.num_pending_tokens:
+            return None
+        if not plain_greedy(seq):
+            return None
+        new_blocks += block_manager.num_new_blocks(seq, seq.num_computed_tokens + 1)
+    if new_blocks > block_manager.num_free_blocks:
+        return None  # a decode would need a preemption: the plain path decides
+    if len(hold) == len(running):
+        return None
+    # A request the plan could admit or resume must sample plain argmax too (else the plain
+    # path admits it: planning ahead again and again would keep it waiting).
+    if any(not plain_greedy(entry[2]) for entry in scheduler.waiting):
+        return None
+    if any(not plain_greedy(seq) for seq in scheduler.paused):
+        return None
+    return hold
+
+
 class OverlappedSteps:
     """LLMEngine's launch / collect half of an overlapped step (mixed into LLMEngine, whose
     scheduler, block manager, request table and delta helpers it uses)."""
@@ -98,18 +149,28 @@ class OverlappedSteps:
     block_manager: BlockManager
     _launch_greedy: Callable[[ScheduledBatch], PendingTokens] | None
     _requests: dict[str, Sequence]
+    _plain_greedy: Callable[[Iterable[tuple[Sequence, int]]], bool]
 
     def _launch(
-        self, plan: SchedulerOutput, deltas: list[SequenceDelta], *, continuation: bool = False
+        self,
+        plan: SchedulerOutput,
+        deltas: list[SequenceDelta],
+        *,
+        continuation: bool = False,
+        pure_decode: bool = False,
     ) -> LaunchedStep | None:
-        """Enqueue a plain-greedy step; its sampled sequences get a pending token each."""
+        """Enqueue a plain-greedy step; its sampled sequences get a pending token each.
+        `continuation`: planned before the last launch's tokens were read (`pure_decode`: as
+        `can_schedule_ahead` allows, the whole running set one token each)."""
         try:
-            if continuation and (
+            if pure_decode and (
                 plan.preempted
                 or len(plan.scheduled) != len(self.scheduler.running)
                 or any(count != 1 for _, count in plan.scheduled)
             ):
                 raise FailedPreconditionError("a step scheduled ahead is not a pure decode step")
+            if continuation and not self._plain_greedy(plan.scheduled):
+                raise FailedPreconditionError("a step planned ahead samples other than argmax")
             if self._launch_greedy is None:
                 raise FailedPreconditionError("the model runner cannot launch without waiting")
             handle = self._launch_greedy(plan.batch)

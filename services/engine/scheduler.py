@@ -23,7 +23,7 @@ budget allows beside the step's decodes; without one, only the token budget coun
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
@@ -116,6 +116,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.paused: list[Sequence] = []  # running, KV kept, out of the batch: no adapter slot
         self._resumed: set[int] = set()  # seq_ids resumed by the last schedule: not run yet
+        self._planning_ahead = False  # the schedule in progress was called with `hold`
         self.num_preemptions = 0
         self.num_pauses = 0
         self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
@@ -178,11 +179,18 @@ class Scheduler:
         )
 
     # ---- one step -------------------------------------------------------------------------
-    def schedule(self, *, rotate: bool = True) -> SchedulerOutput:
-        """The next step. `rotate=False` (a step planned before the last one's tokens are
-        read) pauses and resumes nothing: the running set stays as it is."""
+    def schedule(self, *, rotate: bool = True, hold: Set[int] | None = None) -> SchedulerOutput:
+        """The next step. `rotate=False` (a pure decode step planned before the last one's
+        tokens are read) pauses and resumes nothing: the running set stays as it is.
+
+        `hold` (a step planned before the last one's tokens are read, services/engine/overlap.py):
+        the running sequences with these seq_ids are left out of the step, and no sequence
+        whose token is still pending is preempted: a running sequence that needs a block when
+        none is free just sits this step out, and only paused sequences with all their tokens
+        known give their blocks back."""
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput(batch=ScheduledBatch())
+        self._planning_ahead = hold is not None
         if rotate and self.adapter_slots is not None:
             self._pause_yielding_slots()
         decodes: list[tuple[Sequence, int]] = []
@@ -200,6 +208,9 @@ class Scheduler:
         running_prefills.sort(key=_rank)
         candidates = running_decodes + running_prefills
         kept: list[Sequence] = []
+        if hold:
+            kept = [seq for seq in candidates if seq.seq_id in hold]
+            candidates = [seq for seq in candidates if seq.seq_id not in hold]
         slots_per_block = self.block_manager.block_size
         uncached_decode = False  # a one-token prompt: it goes after the cached one-token steps
         # Prompt tokens the step-time target leaves (None: not asked yet, or no target). The
@@ -222,9 +233,12 @@ class Scheduler:
             # Most steps need no new block (a decode inside its last block): skip the manager.
             if needed_slots > len(seq.block_table) * slots_per_block:
                 while not self.block_manager.allocate(seq, needed_slots):
-                    if self.paused:  # paused sequences give their blocks back first
-                        self._preempt(max(self.paused, key=_rank), output)
+                    paused = self._preemptible_paused()
+                    if paused:  # paused sequences give their blocks back first
+                        self._preempt(max(paused, key=_rank), output)
                         continue
+                    if self._planning_ahead:  # no preemption: it sits this step out
+                        break
                     victim = max([*candidates[index:], seq], key=_rank)
                     if victim is not seq:
                         candidates.remove(victim)
@@ -232,6 +246,9 @@ class Scheduler:
                     if victim is seq:
                         break
                 if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                if needed_slots > len(seq.block_table) * slots_per_block:
+                    kept.append(seq)  # planning ahead found no block for it
                     continue
             kept.append(seq)
             budget -= num_tokens
@@ -302,8 +319,11 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             needed = manager.num_new_blocks(seq, seq.num_computed_tokens + num_tokens)
             reserve = self._watermark_blocks if self.running else 0
-            while self.paused and needed + reserve > manager.num_free_blocks:
-                victim = max(self.paused, key=_rank)  # paused KV of lower rank goes first
+            while needed + reserve > manager.num_free_blocks:
+                paused = self._preemptible_paused()
+                if not paused:
+                    break
+                victim = max(paused, key=_rank)  # paused KV of lower rank goes first
                 if _rank(victim) <= _rank(seq):
                     break
                 self._preempt(victim, output, requeue=False)
@@ -326,6 +346,13 @@ class Scheduler:
             prefills.append((seq, num_tokens))
         for entry in skipped:
             heapq.heappush(self.waiting, entry)
+
+    def _preemptible_paused(self) -> list[Sequence]:
+        """Paused sequences that may give their blocks back now (planning ahead: only those
+        whose tokens are all known; one paused by this very plan has its token pending)."""
+        if not self._planning_ahead:
+            return self.paused
+        return [seq for seq in self.paused if not seq.num_pending_tokens]
 
     def _pause_yielding_slots(self) -> None:
         """Pause the running sequences of the slots that must change hands."""

@@ -73,6 +73,43 @@ def test_chunk_without_logits_still_fills_the_cache(runner) -> None:
     assert _error(fast, runner.reference_execute(whole)) < 3e-2
 
 
+def test_a_pending_token_beside_prompt_rows_is_fed_on_the_gpu(runner) -> None:
+    """A mixed step launched before the last launch's ids are read: its decode row's token
+    is the id that launch sampled, taken on the device; the step equals the same step with
+    that id known on the host."""
+    from services.engine.sequence import PENDING_TOKEN
+
+    generator = torch.Generator().manual_seed(8)
+    first, second = (torch.randint(0, 40000, (n,), generator=generator).tolist() for n in (21, 9))
+    table_a, table_b, table_c = [50, 51], [52], [53]
+    batch = ScheduledBatch([ScheduledSequence(0, first, 0, table_a, True)])
+    runner.launch_greedy(batch)  # eager: the sampled id stays on the device
+    pending = ScheduledBatch(
+        [
+            ScheduledSequence(0, [PENDING_TOKEN], 21, table_a, True),
+            ScheduledSequence(1, second, 0, table_b, True),
+        ]
+    )
+    launched = runner.launch_greedy(pending).result()
+    sampled = runner.execute_greedy(batch).tolist()[0]  # the same prefill again: same K/V
+    known = ScheduledBatch(
+        [
+            ScheduledSequence(0, [sampled], 21, table_a, True),
+            ScheduledSequence(2, second, 0, table_c, True),
+        ]
+    )
+    assert launched == runner.execute_greedy(known).tolist()
+    with pytest.raises(InvalidArgumentError, match="pending token"):
+        runner.launch_greedy(  # sequence 5 was not sampled by the last launch
+            ScheduledBatch(
+                [
+                    ScheduledSequence(5, [PENDING_TOKEN], 9, table_b, True),
+                    ScheduledSequence(2, second, 0, table_c, True),
+                ]
+            )
+        )
+
+
 def test_bad_decode_input_is_rejected(runner) -> None:
     vocab = runner.model_config.vocab_size
     bad = ScheduledBatch([ScheduledSequence(0, [vocab], 10, [1], True)])

@@ -9,6 +9,7 @@ import dataclasses
 import random
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,13 +61,35 @@ class LaunchingFakeRunner(FakeModelRunner):
         return SimpleNamespace(result=lambda: list(ids))
 
 
-def make_engine(launching: bool = True, **overrides) -> tuple[LLMEngine, FakeModelRunner]:
+class MixedLaunchingFakeRunner(LaunchingFakeRunner):
+    """LaunchingFakeRunner that also takes pending tokens beside prompt rows (overlap_mixed),
+    so the engine plans admissions and chunked prefills ahead too; it records the steps that
+    did."""
+
+    capabilities = RunnerCapabilities(greedy_ids=True, overlap_max_batch=64, overlap_mixed=True)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.mixed_pending_batches = 0
+
+    def launch_greedy(self, batch: ScheduledBatch) -> SimpleNamespace:
+        pending = any(seq.token_ids == [PENDING_TOKEN] for seq in batch.sequences)
+        prompt_rows = any(len(seq.token_ids) > 1 for seq in batch.sequences)
+        self.mixed_pending_batches += pending and prompt_rows
+        return super().launch_greedy(batch)
+
+
+def make_engine(
+    launching: bool = True, mixed: bool = False, **overrides
+) -> tuple[LLMEngine, FakeModelRunner]:
     runner_args = {
         key: overrides.pop(key)
         for key in ("num_blocks", "block_size", "max_model_len", "eos_token_ids")
         if key in overrides
     }
     runner_class = LaunchingFakeRunner if launching else FakeModelRunner
+    if launching and mixed:
+        runner_class = MixedLaunchingFakeRunner
     runner = runner_class(vocab_size=VOCAB, **runner_args)
     config = EngineConfig(model="fake", device="cpu", **overrides)
     return LLMEngine(config, model_runner=runner), runner
@@ -94,9 +117,10 @@ def expected_reason(tokens: list[int], max_tokens: int) -> FinishReason:
     return FinishReason.STOP if tokens and tokens[-1] in EOS else FinishReason.LENGTH
 
 
-def test_steady_decode_overlaps_and_matches_reference() -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_steady_decode_overlaps_and_matches_reference(mixed: bool) -> None:
     rng = random.Random(5)
-    engine, runner = make_engine(num_blocks=200, block_size=4, eos_token_ids=EOS)
+    engine, runner = make_engine(mixed=mixed, num_blocks=200, block_size=4, eos_token_ids=EOS)
     prompts = {f"r{i}": [rng.randrange(20, VOCAB) for _ in range(rng.randrange(1, 12))]
                for i in range(6)}  # fmt: skip
     for rid, prompt in prompts.items():
@@ -111,6 +135,49 @@ def test_steady_decode_overlaps_and_matches_reference() -> None:
     assert runner.pending_batches > 5 and engine.num_overlapped_steps > 5
     assert engine.block_manager.num_free_blocks == 200
     assert not engine.scheduler.has_unfinished()
+
+
+def test_mixed_steps_plan_admissions_ahead_and_match_reference() -> None:
+    """Requests arriving while others decode are admitted by a step planned ahead (prompt
+    rows beside pending tokens); requests stopping on length are left out of it."""
+    rng = random.Random(11)
+    engine, runner = make_engine(
+        mixed=True, num_blocks=300, block_size=4, eos_token_ids=EOS, max_num_batched_tokens=9
+    )
+    prompts = {f"r{i}": [rng.randrange(20, VOCAB) for _ in range(rng.randrange(2, 15))]
+               for i in range(10)}  # fmt: skip
+    outputs, reasons, counts = {}, {}, {}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=9))
+        for _ in range(2):
+            step(engine, outputs, reasons, counts)
+    drain(engine, outputs, reasons, counts)
+    for rid, prompt in prompts.items():
+        expected = reference_generate(prompt, 9, VOCAB, EOS)
+        assert outputs[rid] == expected
+        assert counts[rid] == len(expected)
+        assert reasons[rid] is expected_reason(expected, 9)
+    assert runner.mixed_pending_batches > 3
+    assert engine.block_manager.num_free_blocks == 300
+    assert not engine.scheduler.has_unfinished()
+
+
+def test_a_sampling_request_waiting_stops_planning_ahead() -> None:
+    """A waiting request that samples other than argmax is admitted by the plain path: the
+    engine does not keep planning greedy steps ahead past it."""
+    engine, runner = make_engine(mixed=True, num_blocks=100, block_size=4, max_num_seqs=4)
+    engine.add_request("g", [30, 31, 32], SamplingParams(temperature=0, max_tokens=40))
+    outputs, reasons = {}, {}
+    for _ in range(4):
+        step(engine, outputs, reasons)
+    engine.add_request("s", [40, 41], SamplingParams(temperature=0.8, max_tokens=3, seed=1))
+    for _ in range(4):
+        step(engine, outputs, reasons)
+    assert len(outputs.get("s", [])) >= 1  # admitted while "g" still decodes
+    drain(engine, outputs, reasons)
+    assert outputs["g"] == reference_generate([30, 31, 32], 40, VOCAB)
+    assert len(outputs["s"]) == 3
+    assert engine.block_manager.num_free_blocks == 100
 
 
 def test_sampling_request_takes_the_plain_path_alongside() -> None:
@@ -150,6 +217,7 @@ def test_failed_launch_fails_only_those_requests() -> None:
     budget=st.integers(1, 24),
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
+    mixed=st.booleans(),
     requests=st.lists(
         st.tuples(
             st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=20),
@@ -163,7 +231,7 @@ def test_failed_launch_fails_only_those_requests() -> None:
     ),
 )
 def test_overlapped_engine_matches_plain_engine(
-    block_size, spare_blocks, budget, max_num_seqs, prefix_caching, requests
+    block_size, spare_blocks, budget, max_num_seqs, prefix_caching, mixed, requests
 ) -> None:
     longest = max(len(prompt) + max_tokens for prompt, max_tokens, *_ in requests)
     num_blocks = -(-longest // block_size) + spare_blocks
@@ -171,6 +239,7 @@ def test_overlapped_engine_matches_plain_engine(
     for launching in (True, False):
         engine, _ = make_engine(
             launching,
+            mixed,
             num_blocks=num_blocks,
             block_size=block_size,
             eos_token_ids=EOS,

@@ -9,8 +9,10 @@ fails its checksum (that request ends with the error, the others go on), and unk
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +20,12 @@ import torch
 from services.common.errors import FailedPreconditionError, NotFoundError
 from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
+from services.engine.forward_batch import ScheduledBatch
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
+from services.engine.model_runner import RunnerCapabilities
 from services.engine.outputs import FinishReason
+from services.engine.sequence import PENDING_TOKEN
 from tests.lora_adapters import ALL_MODULES, MIXED_ADAPTERS, write_peft_adapters
 from tests.unit.engine.models.helpers import TINY_COMMON, hf_config, save_random_model
 
@@ -66,7 +71,11 @@ def eight(tmp_path_factory: pytest.TempPathFactory):
 
 def _llm(directory: Path, adapter_root: Path | None = None, **lora: object) -> LLM:
     """An offline LLM on the tiny base model; adapters under `adapter_root` (default: all)."""
-    config = EngineConfig(
+    return LLM.from_engine(LLMEngine(_config(directory, adapter_root, **lora)), _Tokenizer())
+
+
+def _config(directory: Path, adapter_root: Path | None = None, **lora: object) -> EngineConfig:
+    return EngineConfig(
         model=str(directory / "base"),
         device="cpu",
         dtype="float32",
@@ -77,7 +86,6 @@ def _llm(directory: Path, adapter_root: Path | None = None, **lora: object) -> L
         adapter_root=str(adapter_root or directory / "adapters"),
         **lora,
     )
-    return LLM.from_engine(LLMEngine(config), _Tokenizer())
 
 
 def _check_all_in_flight(llm: LLM, names: list[str | None], prompts, references) -> None:
@@ -151,6 +159,54 @@ def test_time_sliced_slots_pause_and_resume_without_changing_tokens(eight, quant
     else:
         assert scheduler.num_pauses == 0
     assert not scheduler.paused and engine.adapters.gate.num_held == 0
+    engine.shutdown()
+
+
+class _LaunchingRunner:
+    """A real CPU runner that declares it launches steps without waiting and takes pending
+    tokens in any step (as the CUDA fast path does on the device): the engine then plans steps
+    ahead across admissions and slot turns. Each launch runs at once, its pending tokens taken
+    from the previous launch's ids; everything else is the wrapped runner's."""
+
+    capabilities = RunnerCapabilities(greedy_ids=True, overlap_max_batch=64, overlap_mixed=True)
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self._previous: dict[int, int] = {}
+        self.pending_launches = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def launch_greedy(self, batch: ScheduledBatch) -> SimpleNamespace:
+        rows = []
+        for seq in batch.sequences:
+            if seq.token_ids == [PENDING_TOKEN]:
+                seq = dataclasses.replace(seq, token_ids=[self._previous[seq.seq_id]])
+                self.pending_launches += 1
+            rows.append(seq)
+        ids = self._inner.execute_greedy(ScheduledBatch(rows)).tolist()
+        sampled = [seq.seq_id for seq in batch.sequences if seq.needs_logits]
+        self._previous = dict(zip(sampled, ids, strict=True))
+        return SimpleNamespace(result=lambda: list(ids))
+
+
+def test_slot_turns_planned_ahead_keep_every_token(eight) -> None:
+    """Steps planned before the last one's tokens are read pause, resume and admit requests
+    of adapters taking turns in two slots: every request's tokens still equal peft's."""
+    directory, prompts, references = eight
+    config = _config(directory, max_loras=2, max_cpu_loras=8, lora_slot_quantum_ms=0.001)
+    config, inner = LLMEngine._build_runner(config)
+    runner = _LaunchingRunner(inner)
+    llm = LLM.from_engine(LLMEngine(config, model_runner=runner), _Tokenizer())
+    for name in EIGHT_ADAPTERS:
+        llm.add_adapter(name)
+    _check_all_in_flight(llm, [None, *EIGHT_ADAPTERS], prompts, references)
+    engine = llm.engine
+    assert engine.scheduler.num_pauses > 0 and engine.scheduler.num_preemptions == 0
+    assert engine.num_overlapped_steps > 0 and runner.pending_launches > 0
+    assert not engine.scheduler.paused and engine.adapters.gate.num_held == 0
+    assert engine.block_manager.num_free_blocks == runner.num_blocks
     engine.shutdown()
 
 

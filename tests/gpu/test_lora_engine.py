@@ -120,9 +120,9 @@ def test_mixed_adapters_on_cuda_match_alone_and_the_cpu_engine(model_dir: Path) 
 
 
 def test_time_sliced_slots_with_steps_planned_ahead_keep_every_token(model_dir: Path) -> None:
-    """Slots that change hands every 10 ms: requests pause and resume while the engine
+    """Slots that change hands every millisecond: requests pause and resume while the engine
     plans steps ahead between the turns; each request's tokens stay those it gets alone."""
-    gpu = _llm(model_dir, "cuda", quantum_ms=10.0)
+    gpu = _llm(model_dir, "cuda", quantum_ms=1.0)
     greedy = SamplingParams(temperature=0.0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
     names = [name for name in ADAPTERS for _ in range(3)]
     prompts = [PROMPTS[index % len(PROMPTS)] for index in range(len(names))]

@@ -17,7 +17,7 @@ from services.common.errors import InvalidArgumentError
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_CPU_LORAS = 16
 DEFAULT_MAX_LORA_RANK = 64
-DEFAULT_SLOT_QUANTUM_MS = 500.0
+DEFAULT_SLOT_QUANTUM_MS = 100.0
 
 
 @dataclass(frozen=True)

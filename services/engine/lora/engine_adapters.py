@@ -40,7 +40,7 @@ from services.engine.lora.wrap import attach_lora
 from services.engine.models.config import ModelConfig
 
 # In flight per place in a step's batch when slots are time-sliced (inflight_capacity).
-TIME_SLICED_INFLIGHT_FACTOR = 2
+TIME_SLICED_INFLIGHT_FACTOR = 4
 
 
 class EngineAdapters:
@@ -91,7 +91,7 @@ class EngineAdapters:
         return config.max_cpu_loras if config.slot_quantum_ms > 0 else config.max_loras
 
     def inflight_capacity(self, max_num_seqs: int) -> int:
-        """Requests the engine takes in flight at once. With time-sliced slots, twice the
+        """Requests the engine takes in flight at once. With time-sliced slots, four times the
         batch: the sequences of adapters waiting for their turn (paused, KV kept, or not yet
         admitted) hold no place in a step's batch, and without room for them the batch runs
         short while routers hold requests back. KV room still bounds what is placed."""

@@ -23,6 +23,7 @@ from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
+from services.engine.lora.engine_adapters import TIME_SLICED_INFLIGHT_FACTOR
 from services.engine.model_runner import RunnerCapabilities
 from services.engine.outputs import FinishReason
 from services.engine.sequence import PENDING_TOKEN
@@ -149,9 +150,10 @@ def test_time_sliced_slots_pause_and_resume_without_changing_tokens(eight, quant
         llm.add_adapter(name)
     engine = llm.engine
     assert engine.load().lora_adapter_capacity == (8 if quantum_ms else 2)
-    # Waiting for a turn in a slot takes no place in a step's batch: twice the batch in flight.
+    # Waiting for a turn in a slot takes no place in a step's batch: more in flight than a batch.
     max_num_seqs = engine.info.max_num_seqs
-    assert engine.info.max_inflight == (2 * max_num_seqs if quantum_ms else max_num_seqs)
+    factor = TIME_SLICED_INFLIGHT_FACTOR if quantum_ms else 1
+    assert engine.info.max_inflight == factor * max_num_seqs
     _check_all_in_flight(llm, [None, *EIGHT_ADAPTERS], prompts, references)
     scheduler = engine.scheduler
     if quantum_ms:  # slots changed hands mid-request: paused sequences resumed with their KV

@@ -161,6 +161,7 @@ class CudaModelRunner(BaseModelRunner):
         for event in self._id_events:
             event.record()
         self._turn = 0
+        self._last_launch_end: torch.cuda.Event | None = None  # timing event (PendingIds)
         # The last launch's sampled ids on the device and each sequence's row in them: the
         # source of a pending token (sequence.PENDING_TOKEN) in the next step.
         self._previous_rows: dict[int, int] = {}
@@ -270,6 +271,8 @@ class CudaModelRunner(BaseModelRunner):
         id the previous launch sampled for the same sequence, fed on the device."""
         if self.fast is None:
             return super().launch_greedy(batch)
+        started = torch.cuda.Event(enable_timing=True)
+        started.record()
         if not batch.sequences:
             ids = torch.empty((0,), dtype=torch.int64, device=self.device)
         elif self._graph_ready(batch):
@@ -284,9 +287,12 @@ class CudaModelRunner(BaseModelRunner):
         host, event = self._id_outputs[turn], self._id_events[turn]
         event.synchronize()  # that buffer's copy (two launches ago) has landed
         count = ids.shape[0]
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
         host[:count].copy_(ids, non_blocking=True)
         event.record()
-        return PendingIds(host[:count], event)
+        previous, self._last_launch_end = self._last_launch_end, ended
+        return PendingIds(host[:count], event, (started, ended, previous))
 
     def _graph_ready(self, batch: ScheduledBatch) -> bool:
         return (
@@ -402,15 +408,34 @@ class CudaModelRunner(BaseModelRunner):
 
 
 class PendingIds:
-    """Sampled ids on their way to pinned host memory; result() waits for them."""
+    """Sampled ids on their way to pinned host memory; result() waits for them.
 
-    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event) -> None:
+    `device_time_s()` (after result()) is the step's time on the device: from its first work,
+    or from the end of the launch before it if the device was still on that, to its ids.
+    Host work of a later launch planned meanwhile is not in it, nor time the device idled
+    before the step began.
+    """
+
+    def __init__(
+        self,
+        host: torch.Tensor,
+        copied: torch.cuda.Event,
+        timing: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event | None],
+    ) -> None:
         self._host = host
         self._copied = copied
+        self._timing = timing
 
     def result(self) -> list[int]:
         self._copied.synchronize()
         return self._host.tolist()
+
+    def device_time_s(self) -> float:
+        started, ended, previous = self._timing
+        ms = started.elapsed_time(ended)
+        if previous is not None:
+            ms = min(ms, previous.elapsed_time(ended))
+        return max(ms, 0.0) / 1000.0
 
 
 class _HostInputs:

@@ -162,6 +162,7 @@ class LLMEngine(OverlappedSteps):
         self._overlap_max_batch = capabilities.overlap_max_batch
         self._overlap_mixed = capabilities.supports_overlap and capabilities.overlap_mixed
         self._launched: LaunchedStep | None = None
+        self._last_collected = 0.0  # perf_counter when a launched step's ids were last read
         self.num_overlapped_steps = 0
         self.info = EngineInfo(
             model_name=str(model_config.name),
@@ -493,7 +494,16 @@ class LLMEngine(OverlappedSteps):
         if ahead is not None and not ahead.all_finished:
             self._launched = ahead
             self.num_overlapped_steps += 1
-        elapsed = time.perf_counter() - started
+        # The launched step's own time (what the rates and the stats count), not this call's:
+        # its launch may have been planned during the last call, and the next one's host work
+        # was done in this one. From its launch, or from when the step before it was read if
+        # that came later (run back to back), to now; the runner's device timing where given.
+        done = time.perf_counter()
+        elapsed = done - max(launched.launched_at, self._last_collected)
+        self._last_collected = done
+        device_time = getattr(launched.handle, "device_time_s", None)
+        if device_time is not None:  # the device's own measure (CUDA events), when it has one
+            elapsed = device_time()
         return StepOutput(deltas, self.load(), elapsed, launched.num_tokens)
 
     def _launch_ahead(

@@ -67,7 +67,9 @@ class RunnerCapabilities:
 
 
 class PendingTokens(Protocol):
-    """A launched step's sampled ids; `result()` waits for them (one per sampled sequence)."""
+    """A launched step's sampled ids; `result()` waits for them (one per sampled sequence).
+    A handle may also have `device_time_s()`: the step's own time on the device, read after
+    `result()` (LLMEngine reports it as the step's time)."""
 
     def result(self) -> list[int]: ...
 

@@ -21,6 +21,7 @@ Plain Python, no tensors.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -46,6 +47,7 @@ class LaunchedStep:
     scheduled: list[tuple[Sequence, int]]
     to_sample: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0
+    launched_at: float = 0.0  # perf_counter when its launch began
 
     @property
     def all_finished(self) -> bool:
@@ -162,6 +164,7 @@ class OverlappedSteps:
         """Enqueue a plain-greedy step; its sampled sequences get a pending token each.
         `continuation`: planned before the last launch's tokens were read (`pure_decode`: as
         `can_schedule_ahead` allows, the whole running set one token each)."""
+        launched_at = time.perf_counter()
         try:
             if pure_decode and (
                 plan.preempted
@@ -179,7 +182,9 @@ class OverlappedSteps:
             for seq, _ in plan.scheduled:
                 deltas.append(self._fail(seq, f"the engine failed this request: {exc}"))
             return None
-        launched = LaunchedStep(handle, plan.scheduled, num_tokens=plan.batch.num_tokens)
+        launched = LaunchedStep(
+            handle, plan.scheduled, num_tokens=plan.batch.num_tokens, launched_at=launched_at
+        )
         for seq, count in plan.scheduled:
             seq.num_computed_tokens += count
             if seq.num_pending_tokens == 0:

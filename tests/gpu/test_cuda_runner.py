@@ -90,7 +90,9 @@ def test_a_pending_token_beside_prompt_rows_is_fed_on_the_gpu(runner) -> None:
             ScheduledSequence(1, second, 0, table_b, True),
         ]
     )
-    launched = runner.launch_greedy(pending).result()
+    handle = runner.launch_greedy(pending)
+    launched = handle.result()
+    assert 0.0 < handle.device_time_s() < 5.0  # the step's own time, from CUDA events
     sampled = runner.execute_greedy(batch).tolist()[0]  # the same prefill again: same K/V
     known = ScheduledBatch(
         [

@@ -162,6 +162,31 @@ def test_mixed_steps_plan_admissions_ahead_and_match_reference() -> None:
     assert not engine.scheduler.has_unfinished()
 
 
+def test_a_launched_step_reports_the_device_time_of_its_handle() -> None:
+    """Where the runner times its launches on the device, a launched step's time is that,
+    not the host time of the call that read it (which also planned and launched the next)."""
+    engine, runner = make_engine(mixed=True, num_blocks=100, block_size=4)
+    launch = runner.launch_greedy
+
+    def timed_launch(batch: ScheduledBatch) -> SimpleNamespace:
+        handle = launch(batch)
+        handle.device_time_s = lambda: 0.0125 * len(batch.sequences)
+        return handle
+
+    runner.launch_greedy = timed_launch
+    engine._launch_greedy = timed_launch
+    for index in range(3):
+        engine.add_request(f"r{index}", [20 + index, 21, 22], SamplingParams(temperature=0))
+    times = []
+    while engine.has_unfinished():
+        output = engine.step()
+        if output.num_batched_tokens:
+            times.append(output.step_time_s)
+    assert engine.num_overlapped_steps > 3
+    sizes = {round(time / 0.0125, 6) for time in times}  # 12.5 ms per sequence of the step
+    assert times and sizes <= {1.0, 2.0, 3.0}
+
+
 def test_a_sampling_request_waiting_stops_planning_ahead() -> None:
     """A waiting request that samples other than argmax is admitted by the plain path: the
     engine does not keep planning greedy steps ahead past it."""

@@ -37,6 +37,7 @@ from services.engine.model_runner import (
     PendingTokens,
     RunnerCapabilities,
     runner_arguments,
+    to_device,
 )
 from services.engine.models.config import ModelConfig
 from services.engine.parallel.guard import after_send
@@ -328,7 +329,7 @@ class CudaModelRunner(BaseModelRunner):
                     f"sequence {seq_id} has a pending token the last step did not sample"
                 )
             pairs.append((index, source))
-        index, source = torch.tensor(pairs, dtype=torch.long).t().to(self.device)
+        index, source = to_device(pairs, torch.long, self.device).t()
         input_ids.index_copy_(0, index, self._previous_ids.index_select(0, source))
 
     @torch.inference_mode()

@@ -305,23 +305,33 @@ class BaseModelRunner:
         ]
         device = self.device
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            slot_mapping=to_device(slots, torch.int64, device),
+            query_start_loc=to_device(query_start_loc, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            context_lens=to_device(context_lens, torch.int32, device),
+            block_tables=to_device(tables, torch.int32, device),
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
             is_pure_decode=max_query_len == 1,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            logits_indices=to_device(logits_indices, torch.int64, device),
             block_size=block_size,
             query_start_loc_host=query_start_loc,
             seq_lens_host=seq_lens,
             context_lens_host=context_lens,
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
+        input_ids = to_device(token_ids, torch.int64, device)
+        position_tensor = to_device(positions, torch.int64, device)
         return input_ids, position_tensor, metadata
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `values` on `device`. On a GPU through pinned memory without waiting: the
+    host goes on launching the step while the device still runs the one before (a pageable
+    copy would wait for it); PyTorch's pinned-memory cache keeps the buffer until the copy ran."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def runner_arguments(config: EngineConfig) -> dict[str, Any]:

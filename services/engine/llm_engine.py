@@ -594,7 +594,9 @@ class LLMEngine(OverlappedSteps):
         return to_sample
 
     def _plain_greedy_one(self, seq: Sequence) -> bool:
-        return self._plain_greedy(((seq, 1),))
+        """`_plain_greedy` of one sequence (asked of every waiting and paused one each step a
+        step is planned ahead: kept to one comparison)."""
+        return self._execute_greedy is not None and len(seq.output_token_ids) >= seq.argmax_from
 
     def _plain_greedy(self, scheduled: Iterable[tuple[Sequence, int]]) -> bool:
         """Whether every scheduled sequence samples plain argmax (the sampler would do nothing
@@ -602,18 +604,7 @@ class LLMEngine(OverlappedSteps):
         `execute_greedy` skips building the [rows, vocab] logits."""
         if self._execute_greedy is None:
             return False
-        for seq, _ in scheduled:
-            p = seq.params
-            if (
-                p.temperature != 0.0
-                or p.logprobs is not None
-                or p.repetition_penalty != 1.0
-                or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0
-                or seq.num_output_tokens < p.min_tokens
-            ):
-                return False
-        return True
+        return all(len(seq.output_token_ids) >= seq.argmax_from for seq, _ in scheduled)
 
     def _stop_reason(self, seq: Sequence, token: int, pending: int = 0) -> FinishReason | None:
         """Why `seq` stops at `token` (its newest token, `pending` placeholders after it)."""

@@ -58,6 +58,7 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     generator: Any = None  # torch.Generator for a seeded request, created by the sampler
     num_pending_tokens: int = 0  # trailing PENDING_TOKEN placeholders (overlapped steps only)
+    argmax_from: float = field(init=False)  # params.argmax_from, read once (checked each step)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -66,6 +67,7 @@ class Sequence:
             self.adapter_id = self.adapter
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        self.argmax_from = self.params.argmax_from
 
     @property
     def num_prompt_tokens(self) -> int:

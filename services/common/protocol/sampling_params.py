@@ -51,6 +51,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def argmax_from(self) -> float:
+        """From which output token on a plain argmax picks every token (temperature 0, no
+        logprobs, no penalties: min_tokens, before which EOS is masked); inf if never."""
+        if (
+            self.temperature != 0.0
+            or self.logprobs is not None
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        ):
+            return math.inf
+        return self.min_tokens
+
     def validate(self) -> None:
         """Raise InvalidArgumentError naming the first bad field."""
         _check_int("max_tokens", self.max_tokens, low=1)

@@ -117,6 +117,18 @@ def expected_reason(tokens: list[int], max_tokens: int) -> FinishReason:
     return FinishReason.STOP if tokens and tokens[-1] in EOS else FinishReason.LENGTH
 
 
+def check_references(
+    engine: LLMEngine, prompts: dict, max_tokens: int, outputs: dict, reasons: dict, counts: dict
+) -> None:
+    """Each request got its reference tokens, counts and stop reason; nothing is left."""
+    for rid, prompt in prompts.items():
+        expected = reference_generate(prompt, max_tokens, VOCAB, EOS)
+        assert outputs[rid] == expected
+        assert counts[rid] == len(expected)
+        assert reasons[rid] is expected_reason(expected, max_tokens)
+    assert not engine.scheduler.has_unfinished()
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_steady_decode_overlaps_and_matches_reference(mixed: bool) -> None:
     rng = random.Random(5)
@@ -127,14 +139,9 @@ def test_steady_decode_overlaps_and_matches_reference(mixed: bool) -> None:
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=25))
     outputs, reasons, counts = {}, {}, {}
     drain(engine, outputs, reasons, counts)
-    for rid, prompt in prompts.items():
-        expected = reference_generate(prompt, 25, VOCAB, EOS)
-        assert outputs[rid] == expected
-        assert counts[rid] == len(expected)
-        assert reasons[rid] is expected_reason(expected, 25)
+    check_references(engine, prompts, 25, outputs, reasons, counts)
     assert runner.pending_batches > 5 and engine.num_overlapped_steps > 5
     assert engine.block_manager.num_free_blocks == 200
-    assert not engine.scheduler.has_unfinished()
 
 
 def test_mixed_steps_plan_admissions_ahead_and_match_reference() -> None:
@@ -152,14 +159,9 @@ def test_mixed_steps_plan_admissions_ahead_and_match_reference() -> None:
         for _ in range(2):
             step(engine, outputs, reasons, counts)
     drain(engine, outputs, reasons, counts)
-    for rid, prompt in prompts.items():
-        expected = reference_generate(prompt, 9, VOCAB, EOS)
-        assert outputs[rid] == expected
-        assert counts[rid] == len(expected)
-        assert reasons[rid] is expected_reason(expected, 9)
+    check_references(engine, prompts, 9, outputs, reasons, counts)
     assert runner.mixed_pending_batches > 3
     assert engine.block_manager.num_free_blocks == 300
-    assert not engine.scheduler.has_unfinished()
 
 
 def test_a_launched_step_reports_the_device_time_of_its_handle() -> None:

@@ -2,7 +2,9 @@
 
 The engine records every step (its time, prompt and generated tokens) and, once per
 `--stats-log-interval-s` (10 s by default; 0: never), logs a line an operator can read at a
-glance: steps per second and their mean time, prompt and generated tokens per second, the
+glance: steps per second and their mean time (a launched step's own time: on a GPU its CUDA
+event span, so "busy" is the share of the interval the device spent on steps), prompt and
+generated tokens per second, the
 sequences running, paused for a LoRA slot and waiting, the KV cache in use and, with adapters,
 the slot writes and pauses of the interval. No torch; the engine passes its counters in.
 """

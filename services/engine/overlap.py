@@ -10,12 +10,17 @@ Once step N's ids arrive the placeholders are resolved; a sequence that stopped 
 its step N+1 result discarded and its blocks freed (the device writes its step N+1 K/V into
 them before any later step runs, as all steps share one stream).
 
-Scheduling ahead happens only when it cannot change what the plain path would do: every
-running sequence was sampled at step N, none is certain to stop there on length, all sample
-plain argmax, no waiting request could be admitted and no paused one resumed (requests
-of LoRA adapters that can get no device slot now may wait or stay paused), no LoRA slot is
-due to change hands, and the free blocks cover every sequence's next slot (no preemption).
-Plain Python, no tensors.
+What step N+1 may be depends on the runner. One that takes pending tokens in any step
+(`overlap_mixed`: the CUDA fast path, in eager steps as in graph replays) gets any all-greedy
+plan (`hold_back_ahead`): admissions, LoRA slot turns (pauses and resumes) and chunked
+prefills as the plain path would schedule them, the sequences sure to stop at step N on length
+left out, and no preemption of a sequence whose token is pending (the scheduler's `hold`
+mode); the free blocks must cover every running sequence's next token. Otherwise
+(`can_schedule_ahead`) step N+1 is the same running set, one token each, and only when that
+cannot change what the plain path would do: every running sequence was sampled at step N,
+none is certain to stop there on length, all sample plain argmax, no waiting request could be
+admitted and no paused one resumed, no LoRA slot is due to change hands, and the free blocks
+cover every sequence's next slot. Plain Python, no tensors.
 """
 
 from __future__ import annotations

@@ -6,14 +6,7 @@ import pytest
 
 from services.common.errors import InvalidArgumentError
 from services.supervisor import CHILD_RESTARTS, CrashLoopError, RestartPolicy, Supervisor
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 class FakeChild:
@@ -36,7 +29,7 @@ class FakeChild:
 
 
 def supervised(policy: RestartPolicy) -> tuple[Supervisor, FakeChild, FakeClock, list[str]]:
-    clock, child, said = FakeClock(), FakeChild(), []
+    clock, child, said = FakeClock(1000.0), FakeChild(), []
     supervisor = Supervisor(policy, announce=said.append, clock=clock)
     supervisor.watch(
         "tokenizer",

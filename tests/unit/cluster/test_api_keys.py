@@ -21,14 +21,7 @@ from services.router.api_keys import (
     key_from_metadata,
 )
 from services.router.rate_limit import RateLimits
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def test_add_verify_revoke_with_cache_delay() -> None:

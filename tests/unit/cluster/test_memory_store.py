@@ -8,18 +8,11 @@ import pytest
 
 from services.common.errors import InvalidArgumentError
 from services.common.redis_store import MemoryStore, StoreConfig, open_store, redact_url
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def test_ttl_nx_prefix_hash_list() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     store = MemoryStore(clock)
 
     async def scenario() -> None:

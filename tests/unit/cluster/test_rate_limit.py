@@ -9,18 +9,11 @@ import pytest
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError
 from services.common.redis_store import MemoryStore
 from services.router.rate_limit import LocalBuckets, RateLimiter, RateLimits
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def _limiter(limits: RateLimits) -> tuple[RateLimiter, FakeClock]:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     return RateLimiter(MemoryStore(clock), default_limits=limits, clock=clock), clock
 
 
@@ -80,7 +73,7 @@ def test_unlimited_and_validation() -> None:
 
 
 def test_idle_local_buckets_are_pruned() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     buckets = LocalBuckets(clock)
     buckets.MAX_BUCKETS = 3
     limits = RateLimits(requests_per_minute=1)

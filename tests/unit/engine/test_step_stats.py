@@ -7,18 +7,11 @@ import pytest
 from services.common.errors import InvalidArgumentError
 from services.engine.config import EngineConfig
 from services.engine.step_stats import QueueState, StepStats
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def test_a_line_is_due_once_an_interval_with_steps_has_passed() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     stats = StepStats(10.0, clock)
     clock.now += 30.0
     assert not stats.due()  # idle: nothing to say
@@ -35,7 +28,7 @@ def test_a_line_is_due_once_an_interval_with_steps_has_passed() -> None:
 
 
 def test_lora_counters_are_per_interval() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     stats = StepStats(5.0, clock)
     base = dict(running=1, paused=0, waiting=0, used_blocks=0, total_blocks=10)
     stats.record(0.01, 0, 1)
@@ -49,7 +42,7 @@ def test_lora_counters_are_per_interval() -> None:
 
 
 def test_zero_turns_the_lines_off_and_bad_values_are_refused() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     stats = StepStats(0.0, clock)
     stats.record(0.01, 1, 1)
     clock.now += 1e6

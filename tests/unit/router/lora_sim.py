@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from services.router.admission import AdmissionQueue
 from services.router.dispatch import EngineCapacity
+from tests.fake_clock import FakeClock
 
 
 @dataclass(eq=False)
@@ -153,11 +154,4 @@ def simulate(
     return SimResult(requests, max_distinct)
 
 
-class _Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-clock = _Clock()
+clock = FakeClock()

@@ -12,6 +12,7 @@ import pytest
 from services.router.admission import AdmissionQueue
 from services.router.dispatch import EngineCapacity
 from services.router.lora_batcher import LoraAwarePolicy, fairness_bound_s
+from tests.fake_clock import FakeClock
 from tests.unit.router.lora_sim import clock, simulate
 
 
@@ -24,14 +25,6 @@ class Item:
 
     def expired(self, now: float | None = None) -> bool:
         return False
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def engine(
@@ -146,7 +139,7 @@ def test_holds_everything_when_no_engine_has_room_for_the_head() -> None:
 
 
 def test_waits_for_a_busy_warm_engine_up_to_the_swap_cost_then_loads_elsewhere() -> None:
-    tick = Clock()
+    tick = FakeClock()
     warm, cold = engine("warm", seqs=1, resident=("a",)), engine("cold")
     warm.inflight = 1  # busy
     queue = queue_of(Item("a", arrival=0.0))
@@ -168,7 +161,7 @@ def test_measures_adapter_load_time_from_the_engine_reports() -> None:
 
 
 def test_a_starving_adapter_forces_the_longest_holder_to_drain() -> None:
-    tick = Clock()
+    tick = FakeClock()
     only = engine("e", slots=2, seqs=32)
     policy = LoraAwarePolicy(max_wait_s=1.0, clock=tick)
     queue = queue_of(Item("a"), Item("b"))
@@ -193,7 +186,7 @@ def test_a_starving_adapter_forces_the_longest_holder_to_drain() -> None:
 
 
 def test_a_free_slot_goes_to_the_starving_adapter_first() -> None:
-    tick = Clock()
+    tick = FakeClock()
     only = engine("e", slots=1)
     policy = LoraAwarePolicy(max_wait_s=1.0, clock=tick)
     queue = queue_of(Item("old", arrival=0.0))
@@ -210,7 +203,7 @@ def test_a_free_slot_goes_to_the_starving_adapter_first() -> None:
 
 
 def test_no_exchange_while_the_capacity_has_room_though_the_slots_are_taken() -> None:
-    tick = Clock()
+    tick = FakeClock()
     sliced = engine("e", slots=2, capacity=3, seqs=32)
     policy = LoraAwarePolicy(max_wait_s=1.0, clock=tick)
     queue = queue_of(Item("a"), Item("b"))

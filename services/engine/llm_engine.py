@@ -499,11 +499,12 @@ class LLMEngine(OverlappedSteps):
         # was done in this one. From its launch, or from when the step before it was read if
         # that came later (run back to back), to now; the runner's device timing where given.
         done = time.perf_counter()
-        elapsed = done - max(launched.launched_at, self._last_collected)
-        self._last_collected = done
         device_time = getattr(launched.handle, "device_time_s", None)
         if device_time is not None:  # the device's own measure (CUDA events), when it has one
             elapsed = device_time()
+        else:
+            elapsed = done - max(launched.launched_at, self._last_collected)
+        self._last_collected = done
         return StepOutput(deltas, self.load(), elapsed, launched.num_tokens)
 
     def _launch_ahead(

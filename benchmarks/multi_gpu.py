@@ -3,21 +3,25 @@
     python -m benchmarks.multi_gpu                  # on a host with 2+ NVIDIA GPUs
     bash benchmarks/multi_gpu_run.sh                # the same plus the TP GPU tests, one command
 
-(a) Data parallel. The same request set (fixed: N prompts of 512 random token ids, 256 output
-tokens each, greedy, EOS ignored; benchmarks/gpu_stack.py) goes closed-loop through one router
-(`sluice up --no-ray --no-redis` as a Stack in this process) over 1 engine on GPU 0, then over
-G engines, one per GPU (each pinned with CUDA_VISIBLE_DEVICES, as `sluice up` pins them), in
-the same run. Concurrency is `--concurrency-per-gpu` streams per engine, so every engine is
-saturated. Reported: output tokens/s of each and `dp_speedup` (G GPUs over 1; goal >= 1.9 at 2).
+(a) Data parallel. The same request set (fixed: `--requests-per-gpu` x G prompts of 512 random
+token ids, 256 output tokens each, greedy, EOS ignored; benchmarks/gpu_stack.py) goes
+closed-loop through one router (`sluice up --no-ray --no-redis` as a Stack in this process)
+over 1 engine on GPU 0, then over 2, 4, ... up to G engines, one per GPU (each pinned with
+CUDA_VISIBLE_DEVICES, as `sluice up` pins them), in the same run. Concurrency is
+`--concurrency-per-gpu` streams per engine, so every engine is saturated. Reported: output
+tokens/s of each, `dp_speedup` (2 GPUs over 1; goal >= 1.9) and `dp_speedup_by_gpus`.
 
 (b) Tensor parallel. In a child process per run (its GPU memory is gone when it ends): an
 LLMEngine on `--tp-model` (default dummy:llama-3-8b) at TP=1, at TP=2 (ranks on GPUs 0 and 1,
 NVLink multicast off) with the one-shot all-reduce over symmetric memory, and at TP=2 with
 NCCL for every sum; each warmed, one request of 128 prompt tokens decoding 256 tokens: the
 median wall time of its decode steps (`LLMEngine.step`, batch 1, CUDA graphs with the
-all-reduces inside), the GPU time of rank 0's graph replays, the host time of sending a step
-to rank 1, and how many greedy tokens equal TP=1's (bf16: partial sums round differently).
-Reported: `tp2_over_tp1_decode_step` (goal <= 0.6).
+all-reduces inside, a device sync around each), the GPU time of rank 0's graph replays, the
+host time of sending a step to rank 1, and how many greedy tokens equal TP=1's (bf16: partial
+sums round differently). Then a second request decodes as a server runs it, no sync between
+steps (the engine launches each step before reading the last one's token): its time per
+output token. Reported: `tp2_over_tp1_decode_step` (synced steps; goal <= 0.6) and
+`tp2_over_tp1_tpot` (steps as served).
 
 (c) With `--stack-tp`: one engine at TP=2 (GPUs 0 and 1) behind the router, the same request
 set closed loop: tensor parallelism served as `sluice up --tensor-parallel-size 2` serves it.
@@ -93,6 +97,7 @@ def run_decode_child(model: str, tensor_parallel_size: int, custom: bool, out: P
         for delta in output.deltas:
             tokens += delta.new_token_ids
     steady = step_ms[WARM_STEPS:]
+    result["tpot_ms"] = round(served_tpot_ms(engine, runner, params), 4)
     result.update(
         decode_steps=len(step_ms),
         decode_step_p50_ms=round(statistics.median(steady), 4),
@@ -106,6 +111,25 @@ def run_decode_child(model: str, tensor_parallel_size: int, custom: bool, out: P
     out.write_text(json.dumps(result, indent=1))
     if runner.tensor_parallel is not None:
         runner.tensor_parallel.close()
+
+
+def served_tpot_ms(engine: Any, runner: Any, params: Any) -> float:
+    """Mean time per output token of one request decoded with no sync between steps (the
+    timing wrappers removed), from its first decode step to its last token."""
+    import torch
+
+    for owner in (getattr(runner, "fast", None), runner.tensor_parallel):
+        if owner is not None:  # back to the class's methods: no per-step event sync
+            for name in ("decode", "send_decode"):
+                owner.__dict__.pop(name, None)
+    engine.add_request("served", list(range(2000, 2000 + PROMPT_TOKENS)), params)
+    engine.step()  # the prefill
+    engine.step()  # the first decode step, launched ahead of the next
+    torch.cuda.synchronize()
+    tokens, begin = 0, time.perf_counter()
+    while engine.has_unfinished():
+        tokens += sum(len(delta.new_token_ids) for delta in engine.step().deltas)
+    return (time.perf_counter() - begin) * 1e3 / max(tokens, 1)
 
 
 def timed_decode(runner: Any, gpu_ms: list[float], send_ms: list[float]) -> None:
@@ -158,10 +182,14 @@ def tensor_parallel_decode(args: argparse.Namespace, report: dict[str, Any], sav
         section[name] = results[name]
         save()
     one = results["tp1"].get("decode_step_p50_ms")
+    one_tpot = results["tp1"].get("tpot_ms")
     for name in ("tp2", "tp2_nccl"):
         two = results[name].get("decode_step_p50_ms")
         if one and two:
             section[f"{name}_over_tp1_decode_step"] = round(two / one, 3)
+        two_tpot = results[name].get("tpot_ms")
+        if one_tpot and two_tpot:
+            section[f"{name}_over_tp1_tpot"] = round(two_tpot / one_tpot, 3)
         reference, ours = results["tp1"].get("tokens"), results[name].get("tokens")
         if reference and ours:
             pairs = enumerate(zip(reference, ours, strict=False))
@@ -170,6 +198,7 @@ def tensor_parallel_decode(args: argparse.Namespace, report: dict[str, Any], sav
     for result in results.values():  # compared: the token lists need not stay in the report
         result.pop("tokens", None)
     report["tp2_over_tp1_decode_step"] = section.get("tp2_over_tp1_decode_step")
+    report["tp2_over_tp1_tpot"] = section.get("tp2_over_tp1_tpot")
     save()
 
 
@@ -177,31 +206,49 @@ def tensor_parallel_decode(args: argparse.Namespace, report: dict[str, Any], sav
 def data_parallel(args: argparse.Namespace, report: dict[str, Any], save) -> None:
     runs: dict[str, Any] = {"date": _now(), "command": report["command"]}
     report["data_parallel"] = runs
-    for gpus in (1, args.gpus):
-        runs[f"gpus{gpus}"] = stack_saturation(args, engines=gpus, gpus_per_engine=1, save=save)
-    one = runs.get("gpus1", {}).get("saturation", {}).get("output_tok_s")
-    many = runs.get(f"gpus{args.gpus}", {}).get("saturation", {}).get("output_tok_s")
-    if one and many:
-        report["dp_speedup"] = round(many / one, 3)
+    sizes = dp_sizes(args.gpus)
+    requests = args.requests_per_gpu * sizes[-1]  # one set for every size: the largest's
+    speedups: dict[str, float] = {}
+    report["dp_speedup_by_gpus"] = speedups
+    for gpus in sizes:
+        run = stack_saturation(args, engines=gpus, gpus_per_engine=1, save=save, requests=requests)
+        runs[f"gpus{gpus}"] = run
+        one = runs["gpus1"].get("saturation", {}).get("output_tok_s")
+        many = run.get("saturation", {}).get("output_tok_s")
+        if gpus > 1 and one and many:
+            speedups[str(gpus)] = round(many / one, 3)
+    report["dp_speedup"] = speedups.get("2")
     save()
+
+
+def dp_sizes(gpus: int) -> list[int]:
+    """1, 2, 4, ... below `gpus`, then `gpus` itself: the engine counts of the DP run."""
+    sizes, size = [], 1
+    while size < gpus:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, gpus]
 
 
 def stack_tensor_parallel(args: argparse.Namespace, report: dict[str, Any], save) -> None:
     """(c) One engine at TP=2 (GPUs 0 and 1) through the router: tensor parallelism served."""
-    run = stack_saturation(args, engines=1, gpus_per_engine=2, save=save)
+    run = stack_saturation(
+        args, engines=1, gpus_per_engine=2, save=save, requests=2 * args.requests_per_gpu
+    )
     report["stack_tensor_parallel"] = {"date": _now(), "command": report["command"], **run}
     save()
 
 
 def stack_saturation(
-    args: argparse.Namespace, *, engines: int, gpus_per_engine: int, save
+    args: argparse.Namespace, *, engines: int, gpus_per_engine: int, save, requests: int
 ) -> dict[str, Any]:
-    """`engines` engines of `gpus_per_engine` GPUs each behind one router, closed loop."""
+    """`engines` engines of `gpus_per_engine` GPUs each behind one router, closed loop over
+    the fixed set of `requests` requests."""
     from benchmarks.gpu_stack import _phase, fixed_specs
     from services.common.ports import free_port
     from services.launcher import Stack, StackConfig, describe_engines
 
-    specs = fixed_specs(args.num_requests)
+    specs = fixed_specs(requests)
     gpus = [str(index) for index in range(engines * gpus_per_engine)]
     groups = tuple(
         ",".join(gpus[i * gpus_per_engine : (i + 1) * gpus_per_engine]) for i in range(engines)
@@ -235,7 +282,7 @@ def stack_saturation(
             [0.0] * len(specs),
             stack.router_address,
             concurrency=args.concurrency_per_gpu * engines,
-            workers=args.workers,
+            workers=max(args.workers, 2 * engines),  # load generators keep up with the engines
             plots_dir=None,
             pids=pids,
         )
@@ -245,8 +292,8 @@ def stack_saturation(
     return run
 
 
-TP_KEYS = ("tensor_parallel", "tp2_over_tp1_decode_step")
-DP_KEYS = ("data_parallel", "dp_speedup")
+TP_KEYS = ("tensor_parallel", "tp2_over_tp1_decode_step", "tp2_over_tp1_tpot")
+DP_KEYS = ("data_parallel", "dp_speedup", "dp_speedup_by_gpus")
 STACK_KEYS = ("stack_tensor_parallel",)
 
 
@@ -261,8 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="data-parallel model")
     parser.add_argument("--tp-model", default=DEFAULT_MODEL, help="tensor-parallel model")
-    parser.add_argument("--gpus", type=int, default=2, help="engines of the data-parallel run")
-    parser.add_argument("--num-requests", type=int, default=400, help="requests per DP run")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="most engines of the data-parallel run (default: every visible GPU); it runs "
+        "1, 2, 4, ... engines up to this many",
+    )
+    parser.add_argument(
+        "--requests-per-gpu",
+        type=int,
+        default=400,
+        help="requests of the DP set per GPU of its largest run (every run gets the same set)",
+    )
     parser.add_argument("--concurrency-per-gpu", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4, help="load-generator processes")
     parser.add_argument("--tp-timeout-s", type=float, default=150.0, help="per TP child")
@@ -289,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < 2 or args.gpus > count:
+    args.gpus = count if args.gpus is None else args.gpus
+    if count < 2 or not 2 <= args.gpus <= count:
         print(f"multi_gpu needs {max(2, args.gpus)} GPUs, {count} visible", file=sys.stderr)
         return 2
     device = torch.cuda.get_device_name(0)
@@ -297,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(f"benchmarks/results/multi-gpu-{tag.lower()}-x{count}.json")
     report: dict[str, Any] = {
         "dp_speedup": None,
+        "dp_speedup_by_gpus": None,
         "tp2_over_tp1_decode_step": None,
+        "tp2_over_tp1_tpot": None,
         "device": f"{count} x {device}",
         "date": _now(),
         "command": "python -m benchmarks.multi_gpu "
@@ -329,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         data_parallel(args, report, save)
     if args.stack_tp:
         stack_tensor_parallel(args, report, save)
-    for key in ("device", "dp_speedup", "tp2_over_tp1_decode_step"):
+    for key in ("device", "dp_speedup_by_gpus", "tp2_over_tp1_decode_step", "tp2_over_tp1_tpot"):
         print(f"{key:28s} {report.get(key)}")
     print(f"wrote {out}")
     return 0

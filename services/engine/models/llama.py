@@ -199,6 +199,9 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels (CPU)
         # hidden rows -> logits, where a backend brings its own LM head (the CUDA fast path).
         self.head_projection: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Tensor parallelism: the head holds this rank's vocabulary rows; this joins every
+        # rank's logits into the full vocabulary (parallel/weights.py, shard_lm_head).
+        self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -262,6 +265,12 @@ class LlamaForCausalLM(nn.Module):
         return self._packed_head is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of the hidden rows (every rank's slice joined under TP)."""
+        logits = self._head_logits(hidden)
+        return logits if self.logits_gather is None else self.logits_gather(logits)
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden rows times the head this model holds (its vocabulary slice under TP)."""
         if self.head_projection is not None:
             return self.head_projection(hidden)
         if self._native_head is not None and hidden.dtype == self._native_head.dtype:
@@ -269,8 +278,7 @@ class LlamaForCausalLM(nn.Module):
             return self.cpu_kernels.lm_head(hidden, self._native_head, vocab)
         if self._packed_head is not None and hidden.dtype == self._packed_head.dtype:
             return packed_linear(hidden, self._packed_head)
-        weight = self.head_weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.head_weight)
 
     def compute_greedy(self, hidden: torch.Tensor, chunk: int = GREEDY_CHUNK) -> torch.Tensor:
         """Argmax token of each row, cheaper than `compute_logits(hidden).argmax(-1)` on CPU.
@@ -280,8 +288,11 @@ class LlamaForCausalLM(nn.Module):
         Without them, the LM head writes vocabulary slices of `chunk` columns into one reused
         buffer [slices, rows, chunk] (no fresh 10+ MB allocation per step); each row's best
         slice is found with `amax` (vectorised, unlike a full-width argmax) and only that slice
-        is argmax-ed. Ties go to the lowest id, exactly as `argmax`.
+        is argmax-ed. Ties go to the lowest id, exactly as `argmax`. Under tensor parallelism
+        the head holds a slice of the vocabulary: the joined logits' argmax.
         """
+        if self.logits_gather is not None:
+            return self.compute_logits(hidden).float().argmax(dim=-1)
         weight = self.head_weight
         vocab, rows = weight.shape[0], hidden.shape[0]
         kernels = self.cpu_kernels

@@ -39,7 +39,12 @@ from services.engine.parallel import symmetric
 from services.engine.parallel.channel import StepChannel
 from services.engine.parallel.sharding import ShardLayout
 from services.engine.parallel.symmetric import SymmetricAllReduce
-from services.engine.parallel.weights import build_sharded_model, local_model_config, shard_layout
+from services.engine.parallel.weights import (
+    build_sharded_model,
+    local_model_config,
+    shard_layout,
+    shard_lm_head,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +93,17 @@ class TensorParallelGroup:
         """Sum `tensor` over the ranks, in place; returns it."""
         dist.all_reduce(tensor)
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (same shape on each), stacked in rank order."""
+        out = torch.empty(
+            (self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+        )
+        if tensor.device.type == "cuda":
+            dist.all_gather_into_tensor(out, tensor)
+        else:  # gloo gathers into a list
+            dist.all_gather(list(out.unbind(0)), tensor)
+        return out
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value`."""
@@ -178,6 +194,7 @@ class TensorParallelRank:
             seed=seed,
             all_reduce=self.all_reduce,
         )
+        shard_lm_head(model, self.layout, self.group.all_gather)
         if device.type == "cuda":
             self.enable_custom_all_reduce(dtype)
         return model

@@ -57,7 +57,10 @@ def serve_steps(runner: BaseModelRunner, tensor_parallel: TensorParallelRank) ->
             previous_ids = logits.argmax(dim=-1)
         else:
             runner.backend.prepare(message.metadata)
-            runner.model(message.input_ids, message.positions, message.metadata)
+            hidden = runner.model(message.input_ids, message.positions, message.metadata)
+            rows = message.metadata.logits_indices
+            if rows.numel():  # rank 0 joins its logits with this rank's vocabulary slice
+                runner.model.compute_logits(hidden.index_select(0, rows))
         steps += 1
     return steps
 

@@ -3,7 +3,9 @@
 Megatron-style split of a Llama block over N ranks: the fused q/k/v and gate/up projections are
 column-parallel (each rank computes its own heads and its own slice of the intermediate
 size), o_proj and down_proj are row-parallel (each rank multiplies its slice of the input
-columns; one all-reduce sums the partial outputs). Embedding, norms and the LM head are
+columns; one all-reduce sums the partial outputs). The LM head is vocabulary-parallel: each
+rank holds an equal slice of the vocabulary's rows (the vocabulary padded to a multiple of
+the ranks), computes those logits, and one all-gather joins them. Embedding and norms are
 replicated. The paged KV cache follows the KV heads: each rank caches only its own.
 
 Grouped-query attention with fewer KV heads than ranks replicates each KV head over
@@ -77,6 +79,17 @@ class ShardLayout:
         """[start, stop) rows of gate_proj and up_proj (and columns of down_proj)."""
         start = self.rank * self.local_intermediate_size
         return start, start + self.local_intermediate_size
+
+    def local_vocab_size(self, vocab_size: int) -> int:
+        """LM head rows on every rank: the vocabulary padded to a multiple of the ranks, split."""
+        return -(-vocab_size // self.world_size)
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
+        """[start, stop) of this rank's LM head rows within the real vocabulary (the last
+        ranks' slices may be short or empty: their padding rows produce no token)."""
+        width = self.local_vocab_size(vocab_size)
+        start = min(self.rank * width, vocab_size)
+        return start, min(start + width, vocab_size)
 
 
 def check_divisible(

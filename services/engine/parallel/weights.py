@@ -7,7 +7,9 @@ files (`shard_checkpoint_tensor`, Hugging Face names); dummy weights are drawn a
 the same order and from the same seeded generator as a single-rank model, one tensor at a time,
 then cut (`shard_parameter`), so a TP=N model is the TP=1 model split, and greedy output is
 comparable across sizes. After filling, o_proj and down_proj are wrapped in RowParallel, which
-sums the ranks' partial outputs (the one collective per projection pair).
+sums the ranks' partial outputs (the one collective per projection pair), and the LM head keeps
+only the rank's rows of the vocabulary (`shard_lm_head`): each rank reads 1/N of it per step,
+and one all-gather joins the logits (`VocabGather`).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def _rows(tensor: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
 
 
 AllReduce = Callable[[torch.Tensor, int], torch.Tensor]
+# A tensor of every rank, stacked in rank order: [world_size, *tensor.shape].
+AllGather = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RowParallel(nn.Module):
@@ -202,3 +206,35 @@ def fill_dummy_shards(
             full = torch.empty(meta.shape, dtype=param.dtype, device=device)
             full.normal_(0.0, DUMMY_STD, generator=generator)
             param.copy_(shard_parameter(name, full, layout))
+
+
+class VocabGather:
+    """Joins the ranks' logits of their vocabulary slices: [rows, local] -> [rows, vocab]."""
+
+    def __init__(self, all_gather: AllGather, vocab_size: int) -> None:
+        self.all_gather = all_gather
+        self.vocab_size = vocab_size
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        rows = local.shape[0]
+        if rows == 0:  # every rank has the same rows: none of them gathers
+            return local.new_empty((0, self.vocab_size))
+        parts = self.all_gather(local.contiguous())  # [world, rows, local]
+        joined = parts.transpose(0, 1).reshape(rows, -1)
+        return joined[:, : self.vocab_size]  # the padding rows of the last slices dropped
+
+
+@torch.no_grad()
+def shard_lm_head(model: nn.Module, layout: ShardLayout, all_gather: AllGather) -> None:
+    """Keep only this rank's rows of the LM head (a tied head becomes a head of its own rows;
+    the embedding stays whole) and join the ranks' logits with one all-gather. Every rank holds
+    layout.local_vocab_size rows; rows past the vocabulary are zero and cut off when joined."""
+    weight = model.head_weight
+    vocab_size, hidden = weight.shape
+    start, stop = layout.vocab_rows(vocab_size)
+    local = layout.local_vocab_size(vocab_size)
+    head = nn.Linear(hidden, local, bias=False, device=weight.device, dtype=weight.dtype)
+    head.weight.zero_()
+    head.weight[: stop - start] = weight[start:stop]
+    model.lm_head = head  # the full head (when it was not the embedding) is freed here
+    model.logits_gather = VocabGather(all_gather, vocab_size)

@@ -68,3 +68,15 @@ def test_shapes_that_do_not_split_are_refused(heads, kv_heads, intermediate, wor
 def test_rank_outside_the_group_is_refused():
     with pytest.raises(InvalidArgumentError, match="rank 2"):
         layout(2, 2)
+
+
+def test_the_vocabulary_splits_in_equal_slices_padded_at_the_end():
+    assert [layout(2, rank).vocab_rows(128256) for rank in (0, 1)] == [(0, 64128), (64128, 128256)]
+    assert layout(4, 0).local_vocab_size(1001) == 251
+    assert [layout(4, rank).vocab_rows(1001) for rank in range(4)] == [
+        (0, 251),
+        (251, 502),
+        (502, 753),
+        (753, 1001),
+    ]
+    assert [layout(8, rank).vocab_rows(9) for rank in (3, 4, 7)] == [(6, 8), (8, 9), (9, 9)]

@@ -96,6 +96,7 @@ def generate(engine: LLMEngine, max_tokens: int) -> dict[str, list[int]]:
 def test_two_ranks_give_the_logits_of_one(single: LLMEngine, pair: LLMEngine):
     assert pair.runner.model_config.num_heads == 2  # rank 0 holds half the heads
     assert pair.runner.model_config.num_kv_heads == 1
+    assert pair.runner.model.head_weight.shape[0] == 49152 // 2  # and half the vocabulary
     assert pair.info.execution_path == "torch ops, tensor parallel over 2 ranks (gloo all-reduce)"
     for ours, reference in zip(run_steps(pair.runner, 4), run_steps(single.runner, 4), strict=True):
         assert ours.shape == reference.shape == (3, single.runner.model_config.vocab_size)
@@ -143,6 +144,9 @@ class ThreadGroup:
         for value in values[1:]:
             total += value
         return tensor.copy_(total)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._exchange(tensor))
 
     def min_int(self, value: int) -> int:
         return min(int(v) for v in self._exchange(torch.tensor([value])))

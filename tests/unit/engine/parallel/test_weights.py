@@ -2,7 +2,8 @@
 
 Dummy weights (drawn at full size, then cut) and Hugging Face checkpoints (cut as they stream)
 both; biases of the row-parallel projections are added by rank 0 alone; KV heads shared by
-several ranks are copied whole to each.
+several ranks are copied whole to each; the LM head keeps a rank's vocabulary rows and the
+joined logits are the single-rank model's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.engine.parallel.weights import (
     build_sharded_model,
     local_model_config,
     shard_layout,
+    shard_lm_head,
 )
 from tests.unit.engine.models.helpers import hf_config, save_random_model
 
@@ -129,3 +131,32 @@ def test_a_model_that_does_not_split_is_refused_before_any_weight():
     config = load_model_config(resolve_model("dummy:smollm2-135m"), None)
     with pytest.raises(Exception, match="9 attention heads"):
         shard_layout(config, 2, 0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocabulary_slices_joined_are_the_whole_heads_logits(tmp_path: Path, tied: bool):
+    # 1,001 tokens over 4 ranks: 251 rows each, the last rank's last three rows padding.
+    hf = hf_config("llama", vocab_size=1001, tie_word_embeddings=tied)
+    save_random_model(hf, tmp_path, seed=5)
+    config = ModelConfig.from_directory(tmp_path, name="tiny-llama")
+    full = build_model(config, weights_dir=tmp_path, device=CPU, dtype=torch.float32)
+    ranks = rank_models(config, 4, tmp_path)
+    hidden = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    locals_ = [model.compute_logits(hidden) for model in ranks]  # each its own slice, unjoined
+    assert [part.shape for part in locals_] == [(3, 1001)] * 4  # not sharded yet
+
+    def gather_of(heads: list[torch.Tensor]):
+        return lambda local: torch.stack([hidden @ head.t() for head in heads])
+
+    for rank, model in enumerate(ranks):
+        shard_lm_head(model, shard_layout(config, 4, rank), lambda t: t)
+    heads = [model.head_weight for model in ranks]
+    assert [head.shape[0] for head in heads] == [251] * 4
+    assert torch.count_nonzero(heads[3][-3:]) == 0  # padding rows past the vocabulary
+    assert torch.equal(heads[1], full.head_weight[251:502])
+    if tied:  # the embedding stays whole for the token lookup
+        assert ranks[2].model.embed_tokens.weight.shape[0] == 1001
+    for model in ranks:
+        model.logits_gather.all_gather = gather_of(heads)
+        torch.testing.assert_close(model.compute_logits(hidden), full.compute_logits(hidden))
+        assert torch.equal(model.compute_greedy(hidden), full.compute_logits(hidden).argmax(-1))

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from services.common.errors import InvalidArgumentError
+from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
 from services.engine.kernels.triton.paged_kv import attention_output, load_kv_tile
 
 _LOG2E = 1.4426950408889634
@@ -48,7 +49,9 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MODE: tl.constexpr,  # 0: partials (merge kernel after), 1: one split, 2: last split merges
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -153,7 +156,9 @@ def _decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # seq * num_heads + head
     splits = tl.arange(0, SPLITS_P)
     dims = tl.arange(0, HEAD_DIM)
@@ -241,6 +246,7 @@ def paged_decode_attention(
         MODE=mode,
         num_warps=4,
         num_stages=2,
+        **pdl_options(out.device),
     )
     if mode == 0:
         _decode_merge_kernel[(batch * num_heads,)](
@@ -251,5 +257,6 @@ def paged_decode_attention(
             SPLITS_P=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             num_warps=1 if head_dim <= 64 else 2,
+            **pdl_options(out.device),
         )
     return out

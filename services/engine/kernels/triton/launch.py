@@ -11,15 +11,29 @@ take: a tensor's dtype and whether its address is 16-byte aligned; an int's bein
 multiple of 16, or outside int32; every constexpr and launch option by value. So a direct
 launch always runs the kernel Triton itself would pick. Whenever a launch hook is set (a
 profiler) or the launcher is missing, launches take Triton's full path.
+
+Programmatic dependent launch (Hopper and later; `pdl_options`): every Sluice kernel opens
+with `pdl_prologue`, which waits until the kernel before it in the stream has finished and its
+writes are visible (`griddepcontrol.wait`), then lets the next one launch. Launched with PDL, a
+kernel's launch and block scheduling overlap the tail of the one before, instead of starting
+after it: a decode step is a chain of ~10 small kernels a layer, whose gaps add up. Nothing a
+kernel reads is touched before its wait, so the order of every read and write is the stream's.
+`SLUICE_PDL=0` turns it off.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 from triton import knobs
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime import driver
+
+from services.common import env
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 # False: every launch takes Triton's full path (benchmarks.lora_launch_bench compares both).
@@ -84,3 +98,32 @@ def _hooked(hook: Any) -> bool:
         return False
     calls = getattr(hook, "calls", None)
     return bool(calls) if calls is not None else True
+
+
+@triton.jit
+def pdl_prologue(USE_PDL: tl.constexpr):
+    """The first statement of every kernel: with PDL, wait for the kernel before this one
+    (its writes visible), then allow the next one to launch."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """A kernel launch's `USE_PDL` constexpr (and Triton's `launch_pdl` option) on `device`."""
+    if device.type == "cuda" and _pdl_supported(device.index):
+        return _PDL_ON
+    return _PDL_OFF
+
+
+_PDL_ON = {"USE_PDL": True, "launch_pdl": True}
+_PDL_OFF = {"USE_PDL": False}
+
+
+@functools.cache
+def _pdl_supported(index: int | None) -> bool:
+    """Hopper or later, unless SLUICE_PDL=0 (asked once per device)."""
+    if (env.setting("pdl") or "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    index = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_capability(index) >= (9, 0)

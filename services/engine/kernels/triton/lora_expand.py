@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.triton.launch import CachedLaunch
+from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
 from services.engine.kernels.triton.lora_shrink import persistent_grid, pow2_at_least
 
 BLOCK_N = 256
@@ -51,7 +51,9 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     num_items = tl.load(tiles_ptr) * num_blocks
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -141,4 +143,5 @@ def lora_expand(
         BLOCK_N=BLOCK_N,
         BLOCK_R=pow2_at_least(max_rank),
         num_warps=4,
+        **pdl_options(y.device),
     )

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.triton.launch import CachedLaunch
+from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
 
 # Programs per SM of the persistent grids (shrink and expand).
 PROGRAMS_PER_SM = 8
@@ -57,7 +57,9 @@ def _lora_shrink_kernel(
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_Z: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     num_items = tl.load(tiles_ptr) * SPLIT_K
     offs_j = tl.arange(0, BLOCK_J)  # slice * MAX_RANK + rank index
     offs_m = tl.arange(0, BLOCK_M)
@@ -214,4 +216,5 @@ def lora_shrink(
         BLOCK_M=tile_rows,
         num_warps=4,
         **constants,
+        **pdl_options(u.device),
     )

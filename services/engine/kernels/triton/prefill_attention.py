@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
 from services.engine.kernels.triton.paged_kv import attention_output, load_kv_tile
 
 _LOG2E = 1.4426950408889634
@@ -38,7 +39,9 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     tile = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -145,5 +148,6 @@ def paged_prefill_attention(
         BLOCK_N=64,
         num_warps=4,
         num_stages=2,
+        **pdl_options(out.device),
     )
     return out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -23,7 +25,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < hidden_size
@@ -65,5 +69,6 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
+        **pdl_options(x.device),
     )
     return out, residual_out

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+
 
 @triton.jit
 def _rotary_kv_store_kernel(
@@ -34,7 +36,9 @@ def _rotary_kv_store_kernel(
     HEADS_P: tl.constexpr,
     KV_HEADS_P: tl.constexpr,
     ROTATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, half)
@@ -124,5 +128,6 @@ def rotary_kv_store(
         KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
         ROTATE=rotate,
         num_warps=4,
+        **pdl_options(q_out.device),
     )
     return q_out

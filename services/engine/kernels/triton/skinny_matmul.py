@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from services.common.errors import InvalidArgumentError
+from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
 
 CONFIGS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (64, 128, 4, 4))
 # One-row configurations of the vector kernel: BLOCK_N below 16 (no tensor-core dot) gives
@@ -38,8 +39,10 @@ GEMV_CONFIGS = (
 
 @triton.jit
 def _skinny_vector_kernel(
-    x_ptr, weight_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):
+    x_ptr, weight_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_prologue(USE_PDL)
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     column_mask = columns < n
     inner = tl.arange(0, BLOCK_K)
@@ -60,8 +63,9 @@ def _skinny_vector_kernel(
 @triton.jit
 def _gemv_rows_kernel(
     x_ptr, weight_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(columns, n - 1)  # clamped: every load in bounds, no mask on N
     inner = tl.arange(0, BLOCK_K)
@@ -90,7 +94,9 @@ def _skinny_matmul_kernel(
     k,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     column_block = tl.program_id(0)
     row_offsets = tl.arange(0, 16)
     row_mask = row_offsets < rows
@@ -131,6 +137,7 @@ def skinny_matmul(
     if rows == 0:
         return out
     block_n, block_k, warps, stages = config[:4]
+    pdl = pdl_options(out.device)
     if len(config) > 4:
         if rows != 1:
             raise InvalidArgumentError("GEMV configurations take one row")
@@ -138,7 +145,7 @@ def skinny_matmul(
             raise InvalidArgumentError("the GEMV kernel needs a contiguous weight")
         _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+            EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages, **pdl,
         )  # fmt: skip
         return out
     if block_n < 16:
@@ -146,12 +153,12 @@ def skinny_matmul(
             raise InvalidArgumentError("vector configurations (BLOCK_N < 16) take one row")
         _skinny_vector_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, **pdl,
         )  # fmt: skip
         return out
     _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, rows, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl,
     )  # fmt: skip
     return out
 

@@ -10,9 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+
 
 @triton.jit
-def _swiglu_kernel(gate_up_ptr, out_ptr, intermediate_size, BLOCK: tl.constexpr):
+def _swiglu_kernel(
+    gate_up_ptr, out_ptr, intermediate_size, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < intermediate_size
@@ -37,5 +42,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = 1024
     grid = (rows, triton.cdiv(intermediate_size, block))
-    _swiglu_kernel[grid](gate_up, out, intermediate_size, BLOCK=block, num_warps=4)
+    _swiglu_kernel[grid](
+        gate_up, out, intermediate_size, BLOCK=block, num_warps=4, **pdl_options(out.device)
+    )
     return out

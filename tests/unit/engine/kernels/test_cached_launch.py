@@ -93,3 +93,28 @@ def test_switched_off_or_hooked_launches_take_the_jit_path(kernel, monkeypatch) 
     monkeypatch.setattr(hooks, "calls", [])
     cached((4,), x, 32, BLOCK=16)
     assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "jit"]
+
+
+@pytest.mark.parametrize(
+    ("capability", "setting", "expected"),
+    [
+        ((9, 0), None, {"USE_PDL": True, "launch_pdl": True}),  # Hopper
+        ((10, 0), "1", {"USE_PDL": True, "launch_pdl": True}),
+        ((8, 0), None, {"USE_PDL": False}),  # Ampere: no programmatic dependent launch
+        ((9, 0), "0", {"USE_PDL": False}),  # turned off
+    ],
+)
+def test_kernels_launch_dependent_on_hopper_unless_turned_off(
+    monkeypatch, capability, setting, expected
+):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    if setting is None:
+        monkeypatch.delenv("SLUICE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("SLUICE_PDL", setting)
+    launch._pdl_supported.cache_clear()
+    try:
+        assert launch.pdl_options(torch.device("cuda", 0)) == expected
+        assert launch.pdl_options(torch.device("cpu")) == {"USE_PDL": False}
+    finally:
+        launch._pdl_supported.cache_clear()

@@ -200,6 +200,7 @@ class CudaModelRunner(BaseModelRunner):
         if self.fast is None or not self.use_cuda_graphs:
             return
         runtime = adapters.runtime
+        runtime.graph_rows = self.fast.graphs.max_batch_size  # wider steps never replay
         runtime.launch_always = True
         try:
             self.fast.capture_graphs(LORA_GRAPHS)

@@ -81,18 +81,32 @@ def _row_slots(kind: str, rows: int, max_loras: int, generator) -> list[int]:
 
 
 def check_against_torch(
-    device: str, shape: str, dtype: torch.dtype, kind: str, rows: int, max_rank: int
+    device: str,
+    shape: str,
+    dtype: torch.dtype,
+    kind: str,
+    rows: int,
+    max_rank: int,
+    long_segment_rows: int | None = None,
 ) -> None:
+    """The kernels' deltas against the torch path; with long_segment_rows, runs at least that
+    long take the runtime's cuBLAS path beside the kernels (checked to happen)."""
     config = tiny_model_config(**SHAPES[shape])
     max_loras = 8
     slots, reference_slots = _filled_slots(config, max_loras, max_rank, dtype, device)
     runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
+    if long_segment_rows is not None:
+        runtime.long_segment_rows = long_segment_rows
     reference = LoRARuntime(reference_slots, kernels="torch")
     generator = torch.Generator().manual_seed(rows)
     row_slots = _row_slots(kind, rows, max_loras, generator)
     batch = LoRABatch.from_row_slots(row_slots)
     runtime.set_batch(batch)
     reference.set_batch(batch)
+    if long_segment_rows is not None:  # both paths in one step
+        long_rows = sum(n for n in batch.lengths if n >= long_segment_rows)
+        assert 0 < long_rows < sum(batch.lengths), "the case needs long and short runs"
+        assert runtime._num_tiles < batch.kernel_tiles().num_tiles
     base_rows = [row for row, slot in enumerate(row_slots) if slot < 0]
     tolerance = 2e-4 if dtype == torch.float32 else 3e-2
     for layer in range(config.num_layers):
@@ -117,6 +131,11 @@ def check_against_torch(
 @pytest.mark.parametrize("max_rank", [16, 64])
 def test_kernels_match_the_torch_path(shape, dtype, kind, rows, max_rank) -> None:
     check_against_torch(DEVICE, shape, dtype, kind, rows, max_rank)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_runs_through_cublas_beside_the_kernels_match_the_torch_path(dtype) -> None:
+    check_against_torch(DEVICE, "wide", dtype, "runs", 300, 16, long_segment_rows=24)
 
 
 def check_graph_replay(device: str) -> None:

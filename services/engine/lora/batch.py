@@ -91,6 +91,19 @@ class LoRABatch:
             placed[slot] = placed.get(slot, 0) + length
         return rows, padded_index, group_size
 
+    def split_long(self, min_rows: int) -> tuple[LoRABatch, LoRABatch]:
+        """(the segments shorter than min_rows, those of at least min_rows), same row count."""
+        short, long = [], []
+        for segment in zip(self.starts, self.lengths, self.slots, strict=True):
+            (long if segment[1] >= min_rows else short).append(segment)
+        return self._of(short), self._of(long)
+
+    def _of(self, segments: list[tuple[int, int, int]]) -> LoRABatch:
+        if not segments:
+            return LoRABatch(self.num_rows)
+        starts, lengths, slots = zip(*segments, strict=True)
+        return LoRABatch(self.num_rows, starts, lengths, slots)
+
     def kernel_tiles(self) -> KernelTiles:
         """Rows grouped by slot, cut into tiles of at most TILE_ROWS rows of one slot each."""
         by_slot: dict[int, list[int]] = {}

@@ -142,7 +142,8 @@ class EngineAdapters:
         limit = runtime.max_rows
         counts = sorted({min(max(int(rows), 1), limit) for rows in row_counts})
         launches = 0
-        try:
+        long_segment_rows, runtime.long_segment_rows = runtime.long_segment_rows, limit + 1
+        try:  # every row count through the kernels (their variants are what compiles)
             for rows in counts:
                 runtime.set_batch(LoRABatch.from_row_slots([0] * rows))
                 for name, shape in self.slots.shapes.items():
@@ -151,6 +152,7 @@ class EngineAdapters:
                     runtime.apply(0, name, x, y)
                     launches += 2
         finally:
+            runtime.long_segment_rows = long_segment_rows
             runtime.set_batch(LoRABatch(0))
         torch.cuda.synchronize(self.device)
         return launches

@@ -33,12 +33,17 @@ def add_lora(
     b: torch.Tensor,
     slice_offsets: Sequence[int],
     ranks: Sequence[int],
+    *,
+    fused_add: bool = False,
 ) -> None:
     """In place: y[rows] += per slice (x[rows] A[slot, i, :r]ᵀ) B[slot, slice i, :r]ᵀ.
 
     x [T, in], y [T, out]; a [S, slices, R, in], b [S, out, R]; slice_offsets the start of each
-    slice in y plus the total; ranks[slot] the rank to use (0: skip the slot).
+    slice in y plus the total; ranks[slot] the rank to use (0: skip the slot). fused_add: each
+    slice's expand adds into y in one matmul (no product tensor written and read back), where
+    y and b share a dtype.
     """
+    fused_add = fused_add and y.dtype == b.dtype
     num_slices = len(slice_offsets) - 1
     for start, length, slot in zip(batch.starts, batch.lengths, batch.slots, strict=True):
         rank = ranks[slot]
@@ -54,6 +59,8 @@ def add_lora(
             expand = b[slot, low:high, :rank]
             if num_slices == 1 and y.dtype == b.dtype:
                 y_rows.addmm_(shrunk[0], expand.t())
+            elif fused_add:
+                y_rows[:, low:high].addmm_(shrunk[index], expand.t())
             else:
                 y_rows[:, low:high] += shrunk[index] @ expand.t()
 

@@ -3,9 +3,9 @@
 The same checks as tests/gpu/test_lora_kernels.py (the kernels against the per-segment torch
 path; base rows untouched bit for bit) on the tiny and a wider shape: adapters of different
 ranks and target modules, one adapter for every row, runs of adapters among base rows, split K
-with the alternating shrink buffers. The interpreter has no bfloat16 and no CUDA graphs; those
-run on a GPU. `TRITON_INTERPRET` is read when a kernel module is imported, so the checks run in
-a child process.
+with the alternating shrink buffers, long runs through cuBLAS beside the kernels. The
+interpreter has no bfloat16 and no CUDA graphs; those run on a GPU. `TRITON_INTERPRET` is read
+when a kernel module is imported, so the checks run in a child process.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ CASES = [
     ("tiny", "distinct", 3, 24),
     ("wide", "distinct", 20, 16),
     ("wide", "one-adapter", 33, 16),
+    ("tiny", "runs", 300, 16, 24),  # runs of 24+ rows through cuBLAS beside the kernels
 ]
 CHILD = """
 import json, sys, torch
 from tests.gpu.test_lora_kernels import check_against_torch
-for shape, kind, rows, max_rank in json.loads(sys.argv[1]):
-    check_against_torch("cpu", shape, torch.float32, kind, rows, max_rank)
+for shape, kind, rows, max_rank, *long in json.loads(sys.argv[1]):
+    check_against_torch("cpu", shape, torch.float32, kind, rows, max_rank, *long)
     print("ok", shape, kind, rows, max_rank, flush=True)
 """
 

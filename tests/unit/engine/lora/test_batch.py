@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
-from services.engine.lora.batch import TILE_ROWS, LoRABatch, max_tiles
+from services.engine.lora.batch import BASE_SLOT, TILE_ROWS, LoRABatch, max_tiles
 
 
 def test_runs_merge_and_base_rows_are_in_no_segment() -> None:
@@ -63,3 +63,14 @@ def test_a_slot_with_many_rows_spans_tiles() -> None:
 
 def test_an_empty_batch_has_no_tiles() -> None:
     assert LoRABatch.from_row_slots([-1, -1]).kernel_tiles().packed(2) == [0] * 7
+
+
+def test_long_runs_split_from_the_rest_keep_the_row_count() -> None:
+    batch = LoRABatch.from_runs([(3, 1), (40, 2), (2, BASE_SLOT), (39, 1), (50, 1)])
+    # (39, 1) and (50, 1) are one run of 89 rows.
+    short, long = batch.split_long(40)
+    assert (short.num_rows, long.num_rows) == (134, 134)
+    assert (short.starts, short.lengths, short.slots) == ((0,), (3,), (1,))
+    assert (long.starts, long.lengths, long.slots) == ((3, 45), (40, 89), (2, 1))
+    nothing_long, everything = batch.split_long(10_000)
+    assert nothing_long == batch and everything.is_empty

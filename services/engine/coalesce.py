@@ -52,21 +52,18 @@ class TokenCoalescer:
     def take(self, request_id: str, delta: SequenceDelta, now: float) -> SequenceDelta | None:
         """What to send for this step's `delta` of `request_id` now (merged with the tokens it
         held), or None when it is held for a later update."""
-        held = self._held.pop(request_id, None)
+        held = self._held.get(request_id)
         if held is not None:
-            delta = _merge(held.delta, delta)
+            _absorb(held.delta, delta)
+            delta = held.delta
         if request_id not in self._may_hold or self.interval <= 1 or _due(delta, self.interval):
+            if held is not None:
+                del self._held[request_id]
             if delta.finished or delta.error:
                 self.forget(request_id)
             return delta
-        since = held.since if held is not None else now
-        if held is None:  # the merged delta must own its lists: the engine's are reused
-            delta = dataclasses.replace(
-                delta,
-                new_token_ids=list(delta.new_token_ids),
-                logprobs=list(delta.logprobs) if delta.logprobs else delta.logprobs,
-            )
-        self._held[request_id] = _Held(delta, since)
+        if held is None:  # the held delta is its own: the engine's objects are not kept
+            self._held[request_id] = _Held(_copy(delta), now)
         return None
 
     def overdue(self, now: float) -> list[tuple[str, SequenceDelta]]:
@@ -89,11 +86,30 @@ def _due(delta: SequenceDelta, interval: int) -> bool:
     return first or len(delta.new_token_ids) >= interval
 
 
-def _merge(held: SequenceDelta, new: SequenceDelta) -> SequenceDelta:
-    """`held` followed by `new`: tokens and logprobs joined, the rest as of `new`."""
+# SequenceDelta's fields besides its two lists, copied as they are (see _absorb).
+_SCALAR_FIELDS = tuple(
+    field.name
+    for field in dataclasses.fields(SequenceDelta)
+    if field.name not in ("new_token_ids", "logprobs")
+)
+
+
+def _copy(delta: SequenceDelta) -> SequenceDelta:
+    """`delta` with lists of its own (cheaper than dataclasses.replace, once per held step)."""
+    clone = SequenceDelta(
+        delta.request_id,
+        list(delta.new_token_ids),
+        list(delta.logprobs) if delta.logprobs else None,
+    )
+    for name in _SCALAR_FIELDS:
+        setattr(clone, name, getattr(delta, name))
+    return clone
+
+
+def _absorb(held: SequenceDelta, new: SequenceDelta) -> None:
+    """`held` followed by `new`, in place: tokens and logprobs joined, the rest as of `new`."""
     held.new_token_ids.extend(new.new_token_ids)
     if new.logprobs:
         held.logprobs = (held.logprobs or []) + list(new.logprobs)
-    return dataclasses.replace(
-        new, new_token_ids=held.new_token_ids, logprobs=held.logprobs if held.logprobs else None
-    )
+    for name in _SCALAR_FIELDS:
+        setattr(held, name, getattr(new, name))

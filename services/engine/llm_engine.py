@@ -18,6 +18,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from services.common.errors import (
 )
 from services.common.protocol.adapter_record import AdapterRecord, validate_adapter_name
 from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
-from services.engine import compile_watch
+from services.engine import compile_watch, overlap
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
@@ -164,6 +165,10 @@ class LLMEngine(OverlappedSteps):
         self._launched: LaunchedStep | None = None
         self._last_collected = 0.0  # perf_counter when a launched step's ids were last read
         self.num_overlapped_steps = 0
+        # Steps that were not planned ahead, by why not (overlap.py's reasons): each one waited
+        # for the step before it to be read before it was planned.
+        self.plain_step_reasons: Counter[str] = Counter()
+        self._not_ahead = overlap.IDLE  # why the next step is not planned ahead (if it is not)
         self.info = EngineInfo(
             model_name=str(model_config.name),
             max_model_len=max_model_len,
@@ -191,6 +196,9 @@ class LLMEngine(OverlappedSteps):
         self._eos = frozenset(eos)
         self._max_model_len = max_model_len
         self._requests: dict[str, Sequence] = {}
+        # seq_ids of live requests that may sample other than plain argmax at some step: while
+        # there are none, a step planned ahead skips the scan of the waiting and paused ones.
+        self._maybe_sampling: set[int] = set()
         self._aborted: list[SequenceDelta] = []
         self._seq_ids = itertools.count()
         self.rates = StepRates()
@@ -347,14 +355,15 @@ class LLMEngine(OverlappedSteps):
                 self.adapters.gate.drop(seq)
             raise
         self._requests[request_id] = seq
+        if seq.argmax_from > 0:
+            self._maybe_sampling.add(seq.seq_id)
 
     def abort(self, request_id: str) -> bool:
         """Stop a live request and free its blocks; False if it is unknown or already done."""
-        seq = self._requests.pop(request_id, None)
+        seq = self._requests.get(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq)
-        seq.finish_reason = FinishReason.ABORT
+        self._retire(seq, FinishReason.ABORT)
         self._aborted.append(self._delta(seq, [], None, FinishReason.ABORT))
         return True
 
@@ -396,6 +405,9 @@ class LLMEngine(OverlappedSteps):
             slot_writes=adapters.manager.num_slot_writes if adapters is not None else 0,
             pauses=scheduler.num_pauses,
             resident_adapters=len(adapters.resident()) if adapters is not None else -1,
+            plain_step_reasons=(
+                dict(self.plain_step_reasons) if self._launch_greedy is not None else None
+            ),
         )
 
     def _queued_prompt_tokens(self) -> int:
@@ -428,7 +440,9 @@ class LLMEngine(OverlappedSteps):
             decode_tokens=decoded,
             finished=finished,
         )
-        self.stats.record(output.step_time_s, prefill_tokens, decoded)
+        self.stats.record(
+            output.step_time_s, prefill_tokens, decoded, planned_ahead=output.planned_ahead
+        )
         if self.stats.due():
             logger.info("%s", self.stats.line(self._queue_state()))
         return output
@@ -470,8 +484,12 @@ class LLMEngine(OverlappedSteps):
         launched, self._launched = self._launched, None
         if launched is not None and launched.all_finished:
             launched = None  # every sequence of it stopped or was aborted: nothing to read
+            self._not_ahead = overlap.ENDED
+        planned_ahead = launched is not None
         if launched is None:
             plan = self.scheduler.schedule()
+            if plan.is_empty and self.scheduler.resumed_last:
+                plan = self.scheduler.schedule()  # the resumed run from the next plan on
             if plan.is_empty and self.adapters is not None and self.adapters.wait_for_slot_writes():
                 plan = self.scheduler.schedule()  # nothing else to run: the swaps have landed
             if plan.is_empty:
@@ -481,19 +499,29 @@ class LLMEngine(OverlappedSteps):
                     and bool(self._requests)
                     and not self.scheduler.paused
                 )
+                self._not_ahead = overlap.IDLE
                 return StepOutput(deltas, self.load(), time.perf_counter() - started, 0)
+            if self._launch_greedy is not None:
+                self.plain_step_reasons[self._not_ahead] += 1
+            self._not_ahead = overlap.IDLE
             if self._launch_greedy is None or not self._plain_greedy(plan.scheduled):
+                self._not_ahead = overlap.SAMPLING_RUNNING  # the next waits for this one too
                 return self._run(plan, deltas, started)
             launched = self._launch(plan, deltas)
             if launched is None:
+                self._not_ahead = overlap.LAUNCH_FAILED
                 elapsed = time.perf_counter() - started
                 return StepOutput(deltas, self.load(), elapsed, plan.batch.num_tokens)
         ahead = self._launch_ahead(launched, deltas)
         if not self._collect(launched, deltas):
             ahead = self._fail_step(ahead, deltas, "its previous step failed")
-        if ahead is not None and not ahead.all_finished:
-            self._launched = ahead
-            self.num_overlapped_steps += 1
+            self._not_ahead = overlap.STEP_FAILED
+        if ahead is not None:
+            if ahead.all_finished:
+                self._not_ahead = overlap.ENDED
+            else:
+                self._launched = ahead
+                self.num_overlapped_steps += 1
         # The launched step's own time (what the rates and the stats count), not this call's:
         # its launch may have been planned during the last call, and the next one's host work
         # was done in this one. From its launch, or from when the step before it was read if
@@ -505,28 +533,39 @@ class LLMEngine(OverlappedSteps):
         else:
             elapsed = done - max(launched.launched_at, self._last_collected)
         self._last_collected = done
-        return StepOutput(deltas, self.load(), elapsed, launched.num_tokens)
+        return StepOutput(
+            deltas, self.load(), elapsed, launched.num_tokens, planned_ahead=planned_ahead
+        )
 
     def _launch_ahead(
         self, launched: LaunchedStep, deltas: list[SequenceDelta]
     ) -> LaunchedStep | None:
         """Plan and launch the next step while `launched` runs, where that changes nothing
-        (services/engine/overlap.py); None where it cannot or there is nothing to run."""
+        (services/engine/overlap.py); None where it cannot or there is nothing to run (why not
+        is kept for the next step's count)."""
         plain_greedy = self._plain_greedy_one
         if self._overlap_mixed:
-            hold = hold_back_ahead(
-                launched,
-                self.scheduler,
-                self.block_manager,
-                max_model_len=self.info.max_model_len,
-                plain_greedy=plain_greedy,
-            )
-            if hold is None:
-                return None
-            plan = self.scheduler.schedule(hold=hold)
-            if plan.is_empty:
-                return None
-            return self._launch(plan, deltas, continuation=True)
+            # A plan that only pauses and resumes (the resumed run from the next plan on) is
+            # empty: plan once more, still ahead, so the resumed run at once.
+            for _ in range(2):
+                hold = hold_back_ahead(
+                    launched,
+                    self.scheduler,
+                    self.block_manager,
+                    max_model_len=self.info.max_model_len,
+                    plain_greedy=plain_greedy,
+                    queued_greedy=self._execute_greedy is not None and not self._maybe_sampling,
+                )
+                if isinstance(hold, str):
+                    self._not_ahead = hold
+                    return None
+                plan = self.scheduler.schedule(hold=hold)
+                if not plan.is_empty:
+                    return self._launch_ahead_plan(plan, deltas)
+                if not self.scheduler.resumed_last:
+                    break
+            self._not_ahead = overlap.EMPTY_PLAN
+            return None
         if not can_schedule_ahead(
             launched,
             self.scheduler,
@@ -535,9 +574,18 @@ class LLMEngine(OverlappedSteps):
             max_model_len=self.info.max_model_len,
             plain_greedy=plain_greedy,
         ):
+            self._not_ahead = overlap.RUNNING_SET_MAY_CHANGE
             return None
         plan = self.scheduler.schedule(rotate=False)
-        return self._launch(plan, deltas, continuation=True, pure_decode=True)
+        return self._launch_ahead_plan(plan, deltas, pure_decode=True)
+
+    def _launch_ahead_plan(
+        self, plan: SchedulerOutput, deltas: list[SequenceDelta], *, pure_decode: bool = False
+    ) -> LaunchedStep | None:
+        ahead = self._launch(plan, deltas, continuation=True, pure_decode=pure_decode)
+        if ahead is None:
+            self._not_ahead = overlap.LAUNCH_FAILED
+        return ahead
 
     def _run(
         self, plan: SchedulerOutput, deltas: list[SequenceDelta], started: float
@@ -573,9 +621,7 @@ class LLMEngine(OverlappedSteps):
                 seq.append_token(token, logprob)
                 reason = self._stop_reason(seq, token)
                 if reason is not None:
-                    self._requests.pop(seq.request_id, None)
-                    self.scheduler.finish(seq)
-                    seq.finish_reason = reason
+                    self._retire(seq, reason)
                 deltas.append(self._delta(seq, [token], logprob, reason))
         return StepOutput(deltas, self.load(), time.perf_counter() - started, num_tokens)
 
@@ -595,8 +641,9 @@ class LLMEngine(OverlappedSteps):
         return to_sample
 
     def _plain_greedy_one(self, seq: Sequence) -> bool:
-        """`_plain_greedy` of one sequence (asked of every waiting and paused one each step a
-        step is planned ahead: kept to one comparison)."""
+        """`_plain_greedy` of one sequence (asked of every running one each step a step is
+        planned ahead, and of every waiting and paused one while a live request may sample:
+        kept to one comparison)."""
         return self._execute_greedy is not None and len(seq.output_token_ids) >= seq.argmax_from
 
     def _plain_greedy(self, scheduled: Iterable[tuple[Sequence, int]]) -> bool:
@@ -633,10 +680,15 @@ class LLMEngine(OverlappedSteps):
             if seq is not None:
                 deltas.append(self._fail(seq, error.message, error))
 
-    def _fail(self, seq: Sequence, message: str, error: SluiceError | None = None) -> SequenceDelta:
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        """`seq` ends for `reason`: out of the request table and the scheduler, blocks freed."""
         self._requests.pop(seq.request_id, None)
+        self._maybe_sampling.discard(seq.seq_id)
         self.scheduler.finish(seq)
-        seq.finish_reason = FinishReason.ERROR
+        seq.finish_reason = reason
+
+    def _fail(self, seq: Sequence, message: str, error: SluiceError | None = None) -> SequenceDelta:
+        self._retire(seq, FinishReason.ERROR)
         delta = self._delta(seq, [], None, FinishReason.ERROR)
         delta.error = message
         if error is not None:

@@ -74,6 +74,7 @@ class StepOutput:
     load: EngineLoad
     step_time_s: float = 0.0
     num_batched_tokens: int = 0
+    planned_ahead: bool = False  # planned before the step ahead of it was read (overlap.py)
 
 
 @dataclass

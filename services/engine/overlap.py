@@ -20,7 +20,10 @@ mode); the free blocks must cover every running sequence's next token. Otherwise
 cannot change what the plain path would do: every running sequence was sampled at step N,
 none is certain to stop there on length, all sample plain argmax, no waiting request could be
 admitted and no paused one resumed, no LoRA slot is due to change hands, and the free blocks
-cover every sequence's next slot. Plain Python, no tensors.
+cover every sequence's next slot. A plan ahead that comes out empty only because it resumed
+paused sequences (they run from the next plan on) is made once more, still ahead. Every step
+that is not planned ahead waits for the one before it to be read; the engine counts it by one of
+the reasons below (LLMEngine.plain_step_reasons, the stats line). Plain Python, no tensors.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from services.common.errors import FailedPreconditionError
 from services.engine.block_manager import BlockManager
-from services.engine.outputs import SequenceDelta
+from services.engine.outputs import FinishReason, SequenceDelta
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, SequenceStatus
 
@@ -42,6 +45,23 @@ if TYPE_CHECKING:  # the runner modules import torch; this module is plain Pytho
     from services.engine.model_runner import PendingTokens
 
 logger = logging.getLogger(__name__)
+
+
+# Why a step was not planned ahead (LLMEngine counts each plain step by one of these).
+IDLE = "idle"  # nothing was in flight: the engine had nothing to run, or just started
+ENDED = "ended"  # every sequence of the step in flight ended (stopped or aborted)
+STEP_FAILED = "step failed"
+LAUNCH_FAILED = "launch failed"
+NOTHING_RUNNING = "nothing running"
+NOT_RUNNING = "a sequence not running"
+OVER_TOKEN_BUDGET = "over token budget"
+PENDING_ELSEWHERE = "pending token off the step"
+SAMPLING_RUNNING = "sampling running"
+SAMPLING_QUEUED = "sampling queued"
+KV_BLOCKS_SHORT = "KV blocks short"
+ALL_STOP = "all stop"
+EMPTY_PLAN = "empty plan"
+RUNNING_SET_MAY_CHANGE = "running set may change"  # a runner without mixed launches
 
 
 @dataclass
@@ -104,47 +124,57 @@ def hold_back_ahead(
     *,
     max_model_len: int,
     plain_greedy: Callable[[Sequence], bool],
-) -> set[int] | None:
+    queued_greedy: bool = False,
+) -> set[int] | str:
     """Whether any all-greedy step may be planned before `launched`'s tokens are read, for a
-    runner that takes pending tokens in every step (`overlap_mixed`): None if not, else the
-    seq_ids the plan must leave out (sure to stop at `launched` on length).
+    runner that takes pending tokens in every step (`overlap_mixed`): the seq_ids the plan must
+    leave out (sure to stop at `launched` on length), or, where it may not, why not (a short
+    reason the engine counts).
 
     Unlike `can_schedule_ahead`, the plan may admit waiting requests (prompt rows), pause and
     resume sequences for LoRA slot turns and go on with chunked prefills: every sequence's next
     input is known on the host or sampled on the device by `launched`. It must not preempt a
     sequence whose token is pending (the scheduler's `hold` mode never does) and every
-    sequence it could schedule must sample plain argmax.
+    sequence it could schedule must sample plain argmax. `queued_greedy`: the caller knows that
+    every waiting and paused sequence does (with hundreds of them, their scan is skipped).
     """
     running = scheduler.running
-    if not running or len(running) > scheduler.config.max_num_batched_tokens:
-        return None
+    if not running:
+        return NOTHING_RUNNING
+    if len(running) > scheduler.config.max_num_batched_tokens:
+        return OVER_TOKEN_BUDGET
     sampled = {id(seq) for seq in launched.to_sample}
     hold: set[int] = set()
     new_blocks = 0
+    num_new_blocks = block_manager.num_new_blocks
+    slots_per_block = block_manager.block_size
     for seq in running:
         if seq.status is not SequenceStatus.RUNNING:
-            return None
+            return NOT_RUNNING
         if id(seq) in sampled:
             if seq.num_pending_tokens != 1 or seq.num_uncomputed_tokens != 1:
-                return None
+                return PENDING_ELSEWHERE
             if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
                 hold.add(seq.seq_id)  # it stops at `launched`: nothing to plan for it
                 continue
         elif seq.num_pending_tokens:
-            return None
+            return PENDING_ELSEWHERE
         if not plain_greedy(seq):
-            return None
-        new_blocks += block_manager.num_new_blocks(seq, seq.num_computed_tokens + 1)
+            return SAMPLING_RUNNING
+        if seq.num_computed_tokens >= len(seq.block_table) * slots_per_block:
+            new_blocks += num_new_blocks(seq, seq.num_computed_tokens + 1)
     if new_blocks > block_manager.num_free_blocks:
-        return None  # a decode would need a preemption: the plain path decides
+        return KV_BLOCKS_SHORT  # a decode would need a preemption: the plain path decides
     if len(hold) == len(running):
-        return None
+        return ALL_STOP
+    if queued_greedy:
+        return hold
     # A request the plan could admit or resume must sample plain argmax too (else the plain
     # path admits it: planning ahead again and again would keep it waiting).
     if any(not plain_greedy(entry[2]) for entry in scheduler.waiting):
-        return None
+        return SAMPLING_QUEUED
     if any(not plain_greedy(seq) for seq in scheduler.paused):
-        return None
+        return SAMPLING_QUEUED
     return hold
 
 
@@ -156,6 +186,7 @@ class OverlappedSteps:
     block_manager: BlockManager
     _launch_greedy: Callable[[ScheduledBatch], PendingTokens] | None
     _requests: dict[str, Sequence]
+    _retire: Callable[[Sequence, FinishReason], None]
     _plain_greedy: Callable[[Iterable[tuple[Sequence, int]]], bool]
 
     def _launch(
@@ -190,11 +221,14 @@ class OverlappedSteps:
         launched = LaunchedStep(
             handle, plan.scheduled, num_tokens=plan.batch.num_tokens, launched_at=launched_at
         )
+        register = self.block_manager.register_computed_blocks
+        block_size = self.block_manager.block_size
         for seq, count in plan.scheduled:
-            seq.num_computed_tokens += count
-            if seq.num_pending_tokens == 0:
-                self.block_manager.register_computed_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + count
+            # Most steps fill no block: the prefix cache is not asked then.
+            if seq.num_pending_tokens == 0 and computed // block_size > seq.num_hashed_blocks:
+                register(seq)
+            if computed == len(seq.token_ids):
                 launched.to_sample.append(seq)
         for seq in launched.to_sample:
             seq.append_pending_token()
@@ -212,19 +246,21 @@ class OverlappedSteps:
             logger.exception("forward step failed")
             self._fail_step(launched, deltas, str(exc))
             return False
+        register = self.block_manager.register_computed_blocks
+        block_size = self.block_manager.block_size
+        finished = SequenceStatus.FINISHED
         for seq, token in zip(launched.to_sample, tokens, strict=True):
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is finished:
                 continue  # aborted while the step ran (already reported)
             seq.resolve_pending_token(token)
             reason = self._stop_reason(seq, token, pending=seq.num_pending_tokens)
             if reason is not None:
                 seq.drop_pending_tokens()  # its step scheduled ahead is discarded
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-            self.block_manager.register_computed_blocks(seq)
+            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+                register(seq)
             if reason is not None:
-                self._requests.pop(seq.request_id, None)
-                self.scheduler.finish(seq)
-                seq.finish_reason = reason
+                self._retire(seq, reason)
             deltas.append(self._delta(seq, [token], None, reason))
         return True
 

@@ -157,6 +157,11 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def resumed_last(self) -> bool:
+        """Whether the last schedule resumed paused sequences (they run from the next one)."""
+        return bool(self._resumed)
+
+    @property
     def num_running(self) -> int:
         """Running sequences, paused ones included (they hold KV and will go on)."""
         return len(self.running) + len(self.paused)
@@ -372,14 +377,18 @@ class Scheduler:
         """Paused sequences whose adapter can have a slot again run from the next step on."""
         adapters = self.adapter_slots
         room = self.config.max_num_seqs - len(self.running)
+        resumed: list[Sequence] = []
         for seq in sorted(self.paused, key=_rank):
             if room <= 0:
                 break
             if adapters is None or adapters.acquire(seq):
-                self.paused.remove(seq)
                 self.running.append(seq)
                 self._resumed.add(seq.seq_id)
+                resumed.append(seq)
                 room -= 1
+        if resumed:  # one pass over the paused list, not a removal per resumed sequence
+            gone = set(map(id, resumed))
+            self.paused = [seq for seq in self.paused if id(seq) not in gone]
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput, *, requeue: bool = True) -> None:
         if seq in self.paused:

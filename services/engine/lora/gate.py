@@ -45,9 +45,7 @@ class AdapterGate:
         record = self._records.get(seq.seq_id)
         if record is None or seq.adapter_slot != BASE_SLOT:
             return True
-        if not self.manager.ready(record):
-            return False
-        slot = self.manager.acquire(record)
+        slot = self.manager.acquire(record)  # None too while its weights are not in memory
         if slot is None:
             return False
         seq.adapter_slot = slot

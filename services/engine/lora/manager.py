@@ -81,9 +81,11 @@ class AdapterManager:
         self._host: OrderedDict[Key, Any] = OrderedDict()  # LRU: oldest first
         self._loading: dict[Key, tuple[AdapterRecord, Future[Any]]] = {}
         self._slots = [_Slot() for _ in range(max_loras)]
+        self._slot_by_key: dict[Key, int] = {}  # the slot each adapter in a slot holds
         self._slot_order: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
         # Slots taking no new pins, each for an adapter waiting for a slot: slot -> since when.
         self._draining: dict[int, float] = {}
+        self._max_draining = max(1, max_loras // 4)
         self._clock = clock
         self.num_loads = 0
         self.num_slot_writes = 0
@@ -179,7 +181,9 @@ class AdapterManager:
             self._slots[slot].pending = self._write_slot(slot, weights)
             self.num_slot_writes += 1
             self._version += 1  # the adapter it held waits now: its next ask may drain a slot
+            self._slot_by_key.pop(self._slots[slot].key, None)
             self._slots[slot].key = record.key
+            self._slot_by_key[record.key] = slot
             self._slot_order.move_to_end(slot)  # not the next one taken while it waits
             self._draining.pop(slot, None)
         entry = self._slots[slot]
@@ -203,8 +207,9 @@ class AdapterManager:
 
     def drain_due(self) -> bool:
         """Whether an adapter waiting for a slot would start a slot draining now."""
-        limit = min(self._num_blocked(), max(1, self.max_loras // 4))
-        return len(self._draining) < limit and any(
+        if len(self._draining) >= self._max_draining:
+            return False
+        return len(self._draining) < self._num_blocked() and any(
             slot not in self._draining and not self._reserved(self._slots[slot])
             for slot in self._slot_order
         )
@@ -331,8 +336,11 @@ class AdapterManager:
         """One slot drains per adapter that waits for a slot (the least recently acquired
         slots first), at most a quarter of the slots at once (at least one): several adapters
         change places at a time, while most slots keep serving the adapters they hold."""
-        limit = min(self._num_blocked(), max(1, self.max_loras // 4))
-        if len(self._draining) >= limit:
+        # The cap first: with every draining place taken (the usual case while adapters take
+        # turns), a refused ask costs no count of the blocked adapters.
+        if len(self._draining) >= self._max_draining:
+            return
+        if len(self._draining) >= self._num_blocked():
             return
         for slot in self._slot_order:
             if slot not in self._draining and not self._reserved(self._slots[slot]):
@@ -340,10 +348,7 @@ class AdapterManager:
                 return
 
     def _slot_of(self, key: Key) -> int | None:
-        for index, entry in enumerate(self._slots):
-            if entry.key == key:
-                return index
-        return None
+        return self._slot_by_key.get(key)
 
     def _free_slot(self) -> int | None:
         for index, entry in enumerate(self._slots):

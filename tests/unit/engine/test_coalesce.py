@@ -94,3 +94,16 @@ def test_logprobs_are_merged_in_order_and_abort_forgets() -> None:
     assert coalescer.holding == 1
     coalescer.forget("r")
     assert coalescer.holding == 0 and coalescer.overdue(100.0) == []
+
+
+def test_the_engines_deltas_are_never_changed_by_holding_and_merging() -> None:
+    coalescer = TokenCoalescer()
+    coalescer.set_pacing(3, 1000)
+    coalescer.allow("r")
+    deltas = [step(1, 1), step(2, 2), step(3, 3), step(4, 4, finished=True)]
+    sent = run(coalescer, deltas)
+    assert [d.new_token_ids for _, d in sent] == [[1], [2, 3, 4]]
+    assert [d.new_token_ids for d in deltas] == [[1], [2], [3], [4]]
+    assert [d.num_output_tokens for d in deltas] == [1, 2, 3, 4] and not deltas[2].finished
+    merged = sent[-1][1]
+    assert merged is not deltas[1] and merged.finished and merged.num_output_tokens == 4

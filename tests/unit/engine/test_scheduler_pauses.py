@@ -94,8 +94,10 @@ def test_a_paused_sequence_keeps_its_kv_and_resumes_after_admissions() -> None:
     scheduler.finish(b)
     slots.drop(b)
     computed = a.num_computed_tokens
-    scheduler.schedule()  # the slot is free again: a resumes (it runs from the next step)
+    assert not scheduler.resumed_last
+    output = scheduler.schedule()  # the slot is free again: a resumes (it runs from the next step)
     assert scheduler.paused == [] and a in scheduler.running
+    assert output.is_empty and scheduler.resumed_last
     slots.yielding = [a.adapter_slot]  # asked to yield at once: a runs one step first
     output = scheduler.schedule()
     assert [(s.seq_id, s.start_position) for s in output.batch.sequences] == [(a.seq_id, computed)]

@@ -41,6 +41,28 @@ def test_lora_counters_are_per_interval() -> None:
     assert "1.0 slot writes/s, 0.0 pauses/s" in second
 
 
+def test_the_share_planned_ahead_and_the_plain_steps_reasons_are_per_interval() -> None:
+    clock = FakeClock(100.0)
+    stats = StepStats(5.0, clock)
+    base = dict(running=1, paused=0, waiting=0, used_blocks=0, total_blocks=10)
+    for index in range(20):
+        stats.record(0.01, 0, 1, planned_ahead=index >= 2)
+    clock.now += 5.0
+    reasons = {"idle": 1, "KV blocks short": 1}
+    first = stats.line(QueueState(**base, plain_step_reasons=reasons))
+    assert first.endswith("; 90% planned ahead (plain: 1 idle, 1 KV blocks short)")
+    for _ in range(10):
+        stats.record(0.01, 0, 1, planned_ahead=True)
+    clock.now += 5.0
+    reasons = {"idle": 1, "KV blocks short": 1, "empty plan": 0}
+    assert stats.line(QueueState(**base, plain_step_reasons=reasons)).endswith(
+        "; 100% planned ahead"
+    )
+    stats.record(0.01, 0, 1)
+    clock.now += 5.0
+    assert "planned ahead" not in stats.line(QueueState(**base))  # a runner that cannot
+
+
 def test_zero_turns_the_lines_off_and_bad_values_are_refused() -> None:
     clock = FakeClock(100.0)
     stats = StepStats(0.0, clock)

@@ -54,15 +54,8 @@ class RouterConfig:
     max_queue_delay_s: float = field(
         3.0,
         help="refuse a request at once (RESOURCE_EXHAUSTED + retry-after) when, by the engines' "
-        "reported load and measured rates corrected by the start delays admitted requests saw, "
-        "its prefill could not start within this many seconds; per priority (0: off; "
-        "services/router/queue_delay.py)",
-    )
-    queue_delay_quantile: float = field(
-        0.9,
-        help="the quantile of observed over estimated start delay (recent admitted requests) "
-        "that corrects the --max-queue-delay-s estimate; higher refuses more to keep the slowest "
-        "starts in the bound (0: no correction; services/router/delay_calibration.py)",
+        "reported load and measured rates, it could not start within this many seconds; per "
+        "priority (0: off; services/router/queue_delay.py)",
     )
     shutdown_grace_s: float = field(
         30.0, help="seconds in-flight requests may take to finish on SIGTERM"
@@ -156,10 +149,6 @@ class RouterConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}")
-        if not 0.0 <= self.queue_delay_quantile <= 1.0:
-            raise InvalidArgumentError(
-                f"queue_delay_quantile must be in [0, 1], got {self.queue_delay_quantile}"
-            )
         if self.max_inflight_per_engine < 0:
             raise InvalidArgumentError("max_inflight_per_engine must be >= 0")
         for name in (

@@ -34,7 +34,6 @@ from services.router.admission import AdmissionQueue
 from services.router.auth import ApiKeyAuthenticator
 from services.router.config import RouterConfig
 from services.router.convert import submit_pb, tokenize_item
-from services.router.delay_calibration import DelayCalibration
 from services.router.discovery import EngineDiscovery, StaticDiscovery
 from services.router.dispatch import DispatchPolicy
 from services.router.engine_pool import EnginePool
@@ -74,13 +73,7 @@ class RouterCore:
             min_retry_after_s=config.retry_after_s,
         )
         self.delay_gate = QueueDelayGate(
-            config.max_queue_delay_s,
-            min_retry_after_s=config.retry_after_s,
-            calibration=_delay_calibration(config),
-        )
-        calibration = self.delay_gate.calibration
-        metrics.ROUTER_QUEUE_DELAY_CORRECTION.set_function(
-            calibration.factor if calibration is not None else _no_correction
+            config.max_queue_delay_s, min_retry_after_s=config.retry_after_s
         )
         self.policy = policy or LoraAwarePolicy(
             max_wait_s=config.lora_max_wait_s, swap_cost_s=config.lora_swap_cost_s
@@ -108,9 +101,7 @@ class RouterCore:
             max_interval=config.stream_max_interval,
             max_hold_s=config.stream_max_hold_ms / 1e3,
         )
-        self.streamer = OutputStreamer(
-            self.running, self.tokenizer, self, self.pacing, on_first_step=self.delay_gate.started
-        )
+        self.streamer = OutputStreamer(self.running, self.tokenizer, self, self.pacing)
         self.pool = EnginePool(
             discovery or StaticDiscovery(config.engines),
             self.streamer.on_step,
@@ -163,7 +154,6 @@ class RouterCore:
 
     async def close(self) -> None:
         metrics.ADAPTER_GAUGES.unbind(self._adapter_report)
-        metrics.ROUTER_QUEUE_DELAY_CORRECTION.set_function(_no_correction)
         if self._pacer is not None:
             self._pacer.cancel()
         for request in list(self.active):
@@ -228,9 +218,7 @@ class RouterCore:
                     "`sluice adapters list`)"
                 )
         self.queue.check_room(0)  # reject at once, before the tokenizer round trip
-        estimate = self.delay_gate.check(
-            self.pool.ready_connections(), *self.queue.ahead_of(message.priority)
-        )
+        self.delay_gate.check(self.pool.ready_connections(), *self.queue.ahead_of(message.priority))
         deadline = None if time_remaining is None else arrival + time_remaining
         engines = self.pool.capacities()
         max_model_len = min(e.max_model_len for e in engines)
@@ -268,7 +256,6 @@ class RouterCore:
         if request.expired():
             raise DeadlineExceededError("the deadline passed before the request was queued")
         self.queue.admit(request)
-        self.delay_gate.track(request, estimate, arrival, request.num_prompt_tokens)
         self.active.add(request)
         self._idle.clear()
         metrics.ROUTER_ADMITTED_REQUESTS.inc()
@@ -349,7 +336,6 @@ class RouterCore:
         """Release everything the request holds; fail it with `error` if it is still open."""
         if request.state is RequestState.QUEUED:
             self.queue.remove(request)
-        self.delay_gate.forget(request)
         self.running.pop(request.request_id, None)
         if not request.engine_done and request.engine_id is not None:
             request.engine_done = True
@@ -434,22 +420,6 @@ class RouterCore:
     def _update_queue_gauges(self) -> None:
         metrics.ROUTER_QUEUE_DEPTH_REQUESTS.set(len(self.queue))
         metrics.ROUTER_QUEUE_DEPTH_TOKENS.set(self.queue.queued_tokens)
-
-
-def _delay_calibration(config: RouterConfig) -> DelayCalibration | None:
-    """The correction of the queue-delay estimate, unless admission by time or it is off."""
-    if config.max_queue_delay_s <= 0 or config.queue_delay_quantile <= 0:
-        return None
-    return DelayCalibration(
-        # Shorter predictions give noisy ratios; at most a quarter of the bound, so requests
-        # admitted under the largest correction (4x) still calibrate it.
-        min_predicted_s=0.2 * config.max_queue_delay_s,
-        quantile=config.queue_delay_quantile,
-    )
-
-
-def _no_correction() -> float:
-    return 1.0
 
 
 def _reject_reason(error: SluiceError) -> str:

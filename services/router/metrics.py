@@ -12,8 +12,6 @@ and streaming code and served by `services.common.metrics.start_metrics_server`.
   deadline, unavailable, not_found, too_long, ...); any short snake_case reason is accepted.
 - ``ROUTER_RUNNING_REQUESTS`` gauge `sluice_router_running_requests`: requests on an engine.
 - ``ROUTER_STREAM_INTERVAL`` / ``ROUTER_STREAMED_TOKENS_PER_SECOND`` gauges: adaptive pacing.
-- ``ROUTER_QUEUE_DELAY_CORRECTION`` gauge `sluice_router_queue_delay_correction`: the factor
-  the start-delay estimate of admission by time is multiplied by (delay_calibration.py; 1: none).
 - ``ROUTER_FINISHED_REQUESTS`` counter `sluice_router_finished_requests_total{status}`: by final
   gRPC status name (OK, CANCELLED, ...).
 - ``ROUTER_TIME_TO_FIRST_TOKEN`` histogram `sluice_router_time_to_first_token_seconds`.
@@ -76,11 +74,6 @@ ROUTER_STREAM_INTERVAL = Gauge(
 ROUTER_STREAMED_TOKENS_PER_SECOND = Gauge(
     "sluice_router_streamed_tokens_per_second",
     "Tokens per second the router streams, as its adaptive pacing measures them.",
-)
-ROUTER_QUEUE_DELAY_CORRECTION = Gauge(
-    "sluice_router_queue_delay_correction",
-    "Factor applied to the estimated start delay before comparing it with --max-queue-delay-s: "
-    "a high quantile of observed over estimated start delay of recent admitted requests.",
 )
 ROUTER_FINISHED_REQUESTS = Counter(
     "sluice_router_finished_requests", "Requests finished, by final gRPC status name.", ["status"]

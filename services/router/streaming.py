@@ -15,8 +15,7 @@ request once per N steps, not every step, and the router handles 1/N of the delt
 tokens, the end, and requests with stop strings (a stop must be seen at the step that completes
 it) always go at once; the pacing's hold limit sends overdue ones (`flush_undecoded`).
 
-A request's first engine step goes to `on_first_step` (the router's queue-delay calibration,
-delay_calibration.py); its first text records where its time to first token went
+A request's first text also records where its time to first token went
 (`sluice_router_first_token_phase_seconds`: tokenize, queue, engine, detokenize). A stop-string
 hit ends the request (FINISH_REASON_STOP_STRING) and aborts it on the engine. Resource release
 (engine slot, engine abort, detokenizer cancel) goes through `RequestReleaser`, which the
@@ -26,7 +25,6 @@ router core implements.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 from protos.sluice.v1 import common_pb2, engine_pb2, tokenizer_pb2
@@ -75,13 +73,11 @@ class OutputStreamer:
         tokenizer: TokenizerClient,
         releaser: RequestReleaser,
         pacing: StreamPacing | None = None,
-        on_first_step: Callable[[RouterRequest, float], None] | None = None,
     ) -> None:
         self._running = running
         self._tokenizer = tokenizer
         self._releaser = releaser
         self._pacing = pacing
-        self._on_first_step = on_first_step  # (request, time.monotonic() of its first step)
         # sequence number -> [(request, token ids, logprobs, finish reason, usage or None)]
         self._pending: dict[int, list[tuple]] = {}
 
@@ -128,10 +124,7 @@ class OutputStreamer:
             entry = (request, ids, logprobs, finish_reason, update.usage)
             if is_first:
                 first.append(entry)
-                if not request.first_step_at:
-                    request.first_step_at = now
-                    if self._on_first_step is not None:
-                        self._on_first_step(request, now)
+                request.first_step_at = request.first_step_at or now
             else:
                 rest.append(entry)
         self._send(message, first + rest)

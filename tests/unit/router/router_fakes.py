@@ -50,8 +50,6 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.submitted_specs: dict[str, engine_pb2.SubmitRequest] = {}
         self.lora_slots = 0
         self.lora_adapter_capacity = 0
-        # EngineLoad fields every step reports as well (measured rates, queued prompt tokens).
-        self.load_fields: dict[str, float] = {}
 
     async def Info(self, request, context):  # noqa: N802
         return engine_pb2.EngineInfo(
@@ -130,8 +128,6 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 step.load.free_blocks = 1000 - len(self.live)
                 step.load.total_blocks = 1000
                 step.load.running = len(self.live)
-                for name, value in self.load_fields.items():
-                    setattr(step.load, name, value)
                 if self.lora_slots:
                     step.load.lora_slots = self.lora_slots
                     step.load.lora_adapter_capacity = self.lora_adapter_capacity

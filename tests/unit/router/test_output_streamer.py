@@ -75,26 +75,6 @@ def test_a_step_is_one_message_and_first_tokens_are_pushed_first() -> None:
     assert (running["a"]._pending.text, running["a"]._pending.token_ids) == ("A", [7, 10])
 
 
-def test_a_requests_first_engine_step_is_reported_once() -> None:
-    running = {
-        rid: RouterRequest(rid, "", [1], SamplingParams(), detokenizer_open=True)
-        for rid in ("a", "b")
-    }
-    running["a"].push(OutputPiece(token_ids=[7]))  # already streaming
-    first_steps: list[tuple[str, float]] = []
-    streamer = OutputStreamer(
-        running,
-        _Tokenizer(),
-        _Releaser(),
-        on_first_step=lambda request, at: first_steps.append((request.request_id, at)),
-    )
-    before = time.monotonic()
-    streamer.on_step("engine", _step("a", "b"))
-    streamer.on_step("engine", _step("a", "b"))  # b's first text is not back yet
-    assert [rid for rid, _ in first_steps] == ["b"]
-    assert first_steps[0][1] == running["b"].first_step_at >= before
-
-
 def test_with_answers_outstanding_the_text_of_each_request_stays_in_order() -> None:
     """The tokenizer is behind (the last step's message is unanswered): answers pair with
     their steps by sequence number, and each request's text arrives in order."""

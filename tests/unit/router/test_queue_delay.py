@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import pytest
@@ -10,14 +9,12 @@ import pytest
 from protos.sluice.v1 import engine_pb2
 from services.common.errors import ResourceExhaustedError
 from services.router.admission import AdmissionQueue
-from services.router.delay_calibration import DelayCalibration
 from services.router.dispatch import EngineCapacity
 from services.router.queue_delay import (
     EngineLoadView,
     QueueDelayGate,
     estimate_start_delay,
 )
-from tests.fake_clock import FakeClock
 
 
 def view(free_slots=0, queued=0, prefill=40_000.0, finished=40.0) -> EngineLoadView:
@@ -47,16 +44,6 @@ def test_prefill_wait_counts_queued_prompt_tokens_and_engines_add_up():
 def test_no_measured_rate_means_no_estimate():
     assert estimate_start_delay([view(free_slots=0, finished=0.0)], 5, 0) is None
     assert estimate_start_delay([view(free_slots=9, queued=10, prefill=0.0)], 0, 0) is None
-
-
-def test_the_own_prefill_runs_at_one_engines_rate():
-    estimate = estimate_start_delay(
-        [view(free_slots=1, prefill=30_000.0), view(free_slots=1, prefill=10_000.0)], 0, 0
-    )
-    assert estimate.engine_prefill_tokens_per_s == pytest.approx(20_000.0)
-    assert estimate.own_prefill_s(500) == pytest.approx(0.025)
-    unmeasured = estimate_start_delay([view(free_slots=1, prefill=0.0)], 0, 0)
-    assert unmeasured.own_prefill_s(500) == 0.0
 
 
 def connection(free_blocks=100, inflight=0, max_num_seqs=8, load=None):
@@ -112,68 +99,3 @@ def test_queue_counts_what_goes_ahead_per_priority():
     assert queue.ahead_of(1) == (3, 60)
     assert queue.ahead_of(9) == (4, 100)
     assert queue.ahead_of(-1) == (0, 0)  # a more urgent request skips the whole queue
-
-
-def gate_that_learnt(ratio: float, clock: FakeClock, full) -> QueueDelayGate:
-    """A gate (bound 1 s) whose admitted requests started `ratio` times later than estimated."""
-    calibration = DelayCalibration(
-        min_predicted_s=0.2, min_samples=10, refresh_interval_s=0.0, clock=clock
-    )
-    gate = QueueDelayGate(1.0, min_retry_after_s=0.5, calibration=calibration)
-    for key in range(20):
-        clock.now += 0.05
-        estimate = gate.check([full], 4, 0)  # 0.5 s: admitted up to a correction of 2
-        gate.track(key, estimate, clock.now, 100)  # 100 tokens at 10,000/s: 10 ms of prefill
-        gate.started(key, clock.now + ratio * estimate.delay_s + 0.01)
-    return gate
-
-
-def test_calibration_refuses_what_the_reports_alone_would_admit():
-    clock = FakeClock(50.0)
-    full = connection(inflight=8, load=busy_load())
-    uncalibrated = QueueDelayGate(1.0, min_retry_after_s=0.5)
-    assert uncalibrated.check([full], 7, 0).delay_s == pytest.approx(0.8)
-    gate = gate_that_learnt(1.6, clock, full)
-    assert gate.calibration.observations == 20
-    with pytest.raises(ResourceExhaustedError, match="wait about 1.3s"):
-        gate.check([full], 7, 0)  # 0.8 s reported, 1.28 s corrected
-    assert gate.last_estimate.correction == pytest.approx(1.6)
-    assert gate.check([full], 4, 0).corrected_delay_s == pytest.approx(0.8)  # 0.5 s x 1.6
-
-
-def test_calibration_that_finds_the_engines_faster_admits_more():
-    clock = FakeClock(50.0)
-    full = connection(inflight=8, load=busy_load())
-    gate = gate_that_learnt(0.6, clock, full)
-    estimate = gate.check([full], 14, 0)  # 1.5 s reported, over the bound uncorrected
-    assert estimate.corrected_delay_s == pytest.approx(0.9)
-
-
-def test_retry_after_is_the_excess_of_the_corrected_estimate():
-    clock = FakeClock(50.0)
-    full = connection(inflight=8, load=busy_load())
-    gate = gate_that_learnt(1.6, clock, full)
-    with pytest.raises(ResourceExhaustedError, match="wait about 3.2s") as caught:
-        gate.check([full], 19, 0)  # 2.0 s reported, 3.2 s corrected
-    assert caught.value.retry_after_s == pytest.approx(2.2)
-
-
-def test_a_change_of_the_correction_is_logged_at_debug(caplog):
-    clock = FakeClock(50.0)
-    full = connection(inflight=8, load=busy_load())
-    with caplog.at_level(logging.DEBUG, logger="services.router.queue_delay"):
-        gate = gate_that_learnt(2.0, clock, full)  # 1 for 10 starts, then 2
-        gate.check([full], 0, 0)
-        clock.now += 0.5  # decayed by 5%: not worth a line
-        gate.check([full], 0, 0)
-    logged = [r.getMessage() for r in caplog.records if "correction" in r.getMessage()]
-    assert logged == ["queue-delay correction 2.00 (was 1.00; 10 starts observed)"]
-
-
-def test_without_calibration_the_gate_follows_nothing():
-    gate = QueueDelayGate(1.0)
-    estimate = gate.check([connection(inflight=8, load=busy_load())], 7, 0)
-    gate.track("r", estimate, 0.0, 10)
-    gate.started("r", 5.0)
-    gate.forget("r")
-    assert gate.correction() == 1.0 and estimate.correction == 1.0

@@ -292,38 +292,6 @@ def test_queue_overflow_rejects_fast_with_retry_after() -> None:
     )
 
 
-def test_admitted_requests_calibrate_the_queue_delay_estimate() -> None:
-    """A request admitted with a meaningful estimated wait is followed until its first token,
-    and the correction the gate applies is what the metrics show."""
-    slow = FakeEngine(step_s=0.05)
-    slow.load_fields = {"finished_per_s": 2.0, "prefill_tokens_per_s": 1e6}
-
-    async def check(stack: Stack) -> None:
-        core = stack.core
-        calibration = core.delay_gate.calibration
-        await eventually(
-            lambda: all(c.last_load for c in core.pool.ready_connections()), "rates reported"
-        )
-        first = asyncio.ensure_future(stack.collect(text_request(max_tokens=6)))
-        await eventually(lambda: len(stack.engine.submitted) == 1, "first request on the engine")
-        # No free slot: the next waits for one finish at 2/s, 0.5 s by the reports.
-        second = asyncio.ensure_future(stack.collect(text_request(max_tokens=2)))
-        await eventually(lambda: calibration.pending == 1, "second request followed")
-        assert core.delay_gate.last_estimate.delay_s == pytest.approx(0.5)
-        await first
-        await second
-        assert (calibration.observations, calibration.pending) == (1, 0)
-
-        for key in range(20):  # as if 20 more had started 1.5x later than estimated
-            calibration.track(key, 1.0, 0.0, 0.0)
-            calibration.started(key, 1.5)
-        assert core.delay_gate.correction() == pytest.approx(1.5, rel=0.01)
-        gauge = REGISTRY.get_sample_value("sluice_router_queue_delay_correction")
-        assert gauge == pytest.approx(1.5, rel=0.01)
-
-    run_stack(check, engine=slow, max_inflight_per_engine=1, max_queue_delay_s=2.0)
-
-
 def test_deadline_while_queued_never_reaches_engine() -> None:
     slow = FakeEngine(step_s=0.05)
 

@@ -21,7 +21,9 @@ as they finish. After `--warmup-steps` steps, `--steps` steps are measured; it p
   `EngineStep` and its serialization, on the same thread here (the server's asyncio thread
   shares the GIL with the engine's).
 
-`--profile FILE` writes a cProfile of the measured steps (engine and server side).
+`--profile FILE` writes a cProfile of the measured steps (engine and server side). `gc`: the
+garbage collector's collections over the measured steps, their time per step and the longest;
+the start-up heap is frozen first, as the engine server freezes it (`--no-gc-freeze`: not).
 
     python -m benchmarks.engine_host_bench --steps 400
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import time
 from collections import Counter
@@ -40,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.datasets import choose_adapters
+from services.common.heap import freeze_startup_heap
 from services.common.protocol.adapter_record import AdapterRecord
 from services.common.protocol.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
@@ -188,6 +192,28 @@ class ServerSide:
                 self.bytes += len(message.SerializeToString())
 
 
+class GcPauses:
+    """A gc callback: the garbage collector's pauses while it is installed."""
+
+    def __init__(self) -> None:
+        self.pauses_s: list[float] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses_s.append(time.perf_counter() - self._started)
+
+    def summary(self, steps: int) -> dict[str, float]:
+        pauses = self.pauses_s
+        return {
+            "collections": len(pauses),
+            "ms_per_step": round(sum(pauses) * 1e3 / max(steps, 1), 3),
+            "longest_ms": round(max(pauses, default=0.0) * 1e3, 2),
+        }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine, runner, clock = build_engine(args)
     names = [f"adapter-{index}" for index in range(args.adapters)]
@@ -200,6 +226,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(5)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     server = ServerSide(args.pacing_tokens)
+    if not args.no_gc_freeze:  # as the engine server does before it serves
+        freeze_startup_heap()
     counter = 0
 
     def submit() -> None:
@@ -242,6 +270,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
+    collections = GcPauses()
+    gc.callbacks.append(collections)
     for index in range(args.steps):
         step_s, dispatch_s, done = one_step(args.warmup_steps + index)
         engine_s += step_s
@@ -250,6 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         running += len(scheduler.running)
         paused += len(scheduler.paused)
         waiting += scheduler.num_waiting
+    gc.callbacks.remove(collections)
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
@@ -270,6 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pauses_per_s": round((scheduler.num_pauses - pauses0) / simulated_s, 1),
         "server_bytes_per_step": round((server.bytes - bytes0) / steps),
         "preemptions": scheduler.num_preemptions,
+        "gc": collections.summary(steps),
     }
     if hasattr(engine, "plain_step_reasons"):
         reasons = Counter(engine.plain_step_reasons)
@@ -302,6 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--warmup-steps", type=int, default=300, help="steps before measuring")
     add("--steps", type=int, default=600, help="steps measured")
     add("--profile", default=None, help="write a cProfile of the measured steps here")
+    add(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the start-up heap to the garbage collector (the engine server freezes it)",
+    )
     return parser
 
 

@@ -44,6 +44,7 @@ from services.common import event_loop, metrics, tracing
 from services.common.config import describe
 from services.common.errors import SluiceError, UnavailableError
 from services.common.grpc_server import start_server
+from services.common.heap import freeze_startup_heap
 from services.common.protocol.adapter_record import AdapterRecord
 from services.common.protocol.codec import sampling_params_from_pb
 from services.engine.coalesce import TokenCoalescer
@@ -353,7 +354,9 @@ def _refusal(request_id: str, code: str, message: str) -> engine_pb2.SequenceUpd
     return rejection_to_pb(request_id, Rejection(request_id, code, message))
 
 
-async def serve(config: WorkerConfig, *, stop_event: asyncio.Event | None = None) -> None:
+async def serve(
+    config: WorkerConfig, *, stop_event: asyncio.Event | None = None, freeze_heap: bool = False
+) -> None:
     """Run the worker until `stop_event` is set (or SIGINT/SIGTERM when none is given)."""
     from services.engine.llm_engine import LLMEngine
 
@@ -383,6 +386,8 @@ async def serve(config: WorkerConfig, *, stop_event: asyncio.Event | None = None
                 "engine %s on %s: %s", engine.info.model_name, engine.info.device, report.summary()
             )
         engine_loop = servicer.attach(engine, asyncio.get_running_loop())
+        if freeze_heap:  # the model and imports: never walked by a collection again
+            await asyncio.to_thread(freeze_startup_heap)
         await running.set_serving(True)
         log.info("engine %s serving on port %d", servicer.engine_id, running.port)
         await stop_event.wait()
@@ -404,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
     try:
-        event_loop.run(serve(config))
+        event_loop.run(serve(config, freeze_heap=True))  # this process serves until it ends
     except SluiceError as exc:  # e.g. the model cannot be found or loaded
         log.error("engine worker failed: %s: %s", exc.code, exc.message)
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)

@@ -152,7 +152,9 @@ class EngineWorker:
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
         store = open_store(self.settings.store)
-        server = asyncio.create_task(serve(self._config, stop_event=self._stop_event))
+        server = asyncio.create_task(  # the actor's process serves until it ends
+            serve(self._config, stop_event=self._stop_event, freeze_heap=True)
+        )
         registration: EngineRegistration | None = None
         try:
             info = await self._wait_for_info(server)

@@ -24,6 +24,7 @@ from services.common import event_loop, tracing
 from services.common.config import describe
 from services.common.errors import SluiceError
 from services.common.grpc_server import RunningServer, start_server
+from services.common.heap import freeze_startup_heap
 from services.common.metrics import start_metrics_server
 from services.router import adapter_admin, generation
 from services.router.config import RouterConfig, RouterSettings
@@ -202,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     log.info("%s", describe(config))
+    freeze_startup_heap()  # the imports: never walked by a collection again
     try:
         return event_loop.run(serve(settings))
     except (OSError, SluiceError) as error:

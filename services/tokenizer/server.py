@@ -34,6 +34,7 @@ from services.common import event_loop, tracing
 from services.common.config import describe
 from services.common.errors import InvalidArgumentError, SluiceError
 from services.common.grpc_server import RunningServer, start_server
+from services.common.heap import freeze_startup_heap
 from services.tokenizer.config import TokenizerConfig, settings_from_argv
 from services.tokenizer.session import (
     DecodeOptions,
@@ -338,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log.info("%s", describe(config))
+    freeze_startup_heap()  # the imports: never walked by a collection again
     try:
         event_loop.run(serve(config, tracing_config=tracing_config))
     except SluiceError as exc:

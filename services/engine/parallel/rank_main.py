@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import FailedPreconditionError
+from services.common.heap import freeze_startup_heap
 from services.common.model_files import resolve_model
 from services.engine.config import EngineConfig
 from services.engine.model_runner import BaseModelRunner
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     tensor_parallel = TensorParallelRank(group, channel, custom_all_reduce=config.custom_all_reduce)
     runner = build_rank_runner(config, files, tensor_parallel)
+    freeze_startup_heap()  # the model and imports: never walked by a collection again
     steps = serve_steps(runner, tensor_parallel)
     logger.info("stopped after %d steps", steps)
     tensor_parallel.close()  # leaves the group with rank 0

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.protocol.sampling_params import SamplingParams
+from services.engine import overlap
 from services.engine.config import EngineConfig
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.llm_engine import LLMEngine
@@ -203,6 +204,10 @@ def test_a_sampling_request_waiting_stops_planning_ahead() -> None:
     assert len(outputs.get("s", [])) >= 1  # admitted while "g" still decodes
     drain(engine, outputs, reasons)
     assert outputs["g"] == reference_generate([30, 31, 32], 40, VOCAB)
+    counted = engine.plain_step_reasons  # why the steps went the plain path, counted
+    assert counted[overlap.SAMPLING_QUEUED] == 1  # then "s" runs beside "g" on the plain path
+    assert counted[overlap.SAMPLING_RUNNING] >= 1
+    assert not engine._maybe_sampling  # "s" ended: the scans are skipped again
     assert len(outputs["s"]) == 3
     assert engine.block_manager.num_free_blocks == 100
 

@@ -42,21 +42,6 @@ def test_every_step_is_planned_ahead_or_counted_with_a_reason() -> None:
     assert plain == 1 and ahead == engine.num_overlapped_steps == 11
 
 
-def test_a_waiting_sampling_request_is_the_reason_counted() -> None:
-    engine, _ = make_engine(mixed=True, num_blocks=100, block_size=4, max_num_seqs=4)
-    engine.add_request("g", [30, 31, 32], SamplingParams(temperature=0, max_tokens=30))
-    outputs, reasons = {}, {}
-    for _ in range(3):
-        step(engine, outputs, reasons)
-    engine.add_request("s", [40, 41], SamplingParams(temperature=0.8, max_tokens=3, seed=1))
-    drain(engine, outputs, reasons)
-    counted = engine.plain_step_reasons
-    assert counted[overlap.SAMPLING_QUEUED] == 1  # then "s" runs beside "g" on the plain path
-    assert counted[overlap.SAMPLING_RUNNING] >= 1
-    assert outputs["g"] == reference_generate([30, 31, 32], 30, VOCAB)
-    assert not engine._maybe_sampling  # "s" ended: the scans are skipped again
-
-
 def test_an_aborted_sampling_request_stops_forcing_the_scans() -> None:
     engine, _ = make_engine(mixed=True, num_blocks=100, block_size=4)
     engine.add_request("s", [40, 41], SamplingParams(temperature=0.8, max_tokens=3, seed=1))

@@ -1,6 +1,6 @@
 """dummy:llama-3-70b served at TP=2 (2+ GPUs of 80 GB): its half of the layers is ~68.5 GB,
-plus the replicated embedding and its half of the LM head, so it needs the GPUs to itself: run this file in a
-pytest process of its own (benchmarks/multi_gpu_run.sh does)."""
+plus the replicated embedding and its half of the LM head, so it needs the GPUs to itself: run
+this file in a pytest process of its own (benchmarks/multi_gpu_run.sh does)."""
 
 from __future__ import annotations
 

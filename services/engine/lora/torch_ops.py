@@ -57,9 +57,7 @@ def add_lora(
         for index in range(num_slices):
             low, high = slice_offsets[index], slice_offsets[index + 1]
             expand = b[slot, low:high, :rank]
-            if num_slices == 1 and y.dtype == b.dtype:
-                y_rows.addmm_(shrunk[0], expand.t())
-            elif fused_add:
+            if fused_add or (num_slices == 1 and y.dtype == b.dtype):
                 y_rows[:, low:high].addmm_(shrunk[index], expand.t())
             else:
                 y_rows[:, low:high] += shrunk[index] @ expand.t()

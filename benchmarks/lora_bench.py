@@ -17,7 +17,9 @@ replay) and 64 slots of random rank-16 adapters on all seven projections:
 
 CPU mode (`--mode cpu`, the default model): the CPU runner's decode step of 32 sequences with
 k in {1, 4, 16} distinct random rank-16 adapters (all seven projections) against the same step
-of base rows only, in interleaved rounds (median of each), plus the step before LoRA was bound.
+of base rows only, in interleaved rounds (median of each), plus the step before LoRA was bound;
+each k twice, the LoRA math through the native kernels (the default where they build) and
+through torch ops (`*_torch_ops`).
 
 Steps run through the runner directly (no tokenizer, gRPC, Ray or Redis), each timed as the
 mean wall time of `--iterations` back-to-back steps after warm-up, with `begin_step` (the
@@ -394,11 +396,19 @@ def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
     cases = {"base_rows": with_slots(decode, [-1] * rows)}
     for k in (1, 4, 16):
         cases[f"{k}_adapters"] = with_slots(decode, [row % k for row in range(rows)])
+    # The LoRA math through the native kernels (the runner's default where they built) and
+    # through torch ops, in the same rounds.
+    native = adapters.runtime.cpu_kernels
+    paths = {"": native} if native is None else {"": native, "_torch_ops": None}
     # Interleaved rounds, median per case: a shared CPU's noise hits every case alike.
-    samples: dict[str, list[float]] = {name: [] for name in cases}
+    samples: dict[str, list[float]] = {}
     for _ in range(args.rounds):
-        for name, batch in cases.items():
-            samples[name].append(time_steps(runner_step(runner, adapters, batch), it, sync))
+        for suffix, kernels in paths.items():
+            adapters.runtime.cpu_kernels = kernels
+            for name, batch in cases.items():
+                step = runner_step(runner, adapters, batch)
+                samples.setdefault(name + suffix, []).append(time_steps(step, it, sync))
+    adapters.runtime.cpu_kernels = native
     lora_ms = {name: statistics.median(values) for name, values in samples.items()}
     return {
         "mode": "cpu",
@@ -411,6 +421,7 @@ def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
         "decode_context_tokens": args.context,
         "iterations": it,
         "rounds": args.rounds,
+        "lora_math": "native kernels" if native is not None else "torch ops",
         "no_lora_ms_before_binding": round(base_ms, 3),
         "median_ms": _round(lora_ms),
         "ratio_to_base_rows": _round(

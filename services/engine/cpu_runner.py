@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from services.engine.kernels.cpu.cpu_native import cpu_kernels as load_cpu_kerne
 from services.engine.layers.linear import pack_linear_layers
 from services.engine.model_runner import BaseModelRunner, RunnerCapabilities, runner_arguments
 from services.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from services.engine.lora.engine_adapters import EngineAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,11 @@ class CpuModelRunner(BaseModelRunner):
         if hasattr(self.backend, "cpu_kernels"):  # the torch backend's native attention
             self.backend.cpu_kernels = self.cpu_kernels
         return "native CPU kernels" if self.cpu_kernels is not None else ""
+
+    def bind_lora(self, adapters: EngineAdapters) -> None:
+        """As the base runner; the LoRA deltas go through the native kernels where they are."""
+        super().bind_lora(adapters)
+        adapters.runtime.cpu_kernels = self.cpu_kernels
 
 
 def keep_freed_cpu_memory() -> bool:

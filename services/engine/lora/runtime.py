@@ -6,7 +6,10 @@ the adapters' deltas to y in place. `torch` computes them per segment (the CPU p
 a GPU too). `triton` runs the shrink/expand kernels over tiles of rows grouped by slot; the tiles
 live in one fixed device buffer that `set_batch` overwrites (one pinned copy a step), so a
 captured CUDA graph reads each step's adapter mix without recapture. A step with no adapter
-rows does no LoRA work at all (the runner replays graphs captured without the kernels).
+rows does no LoRA work at all (the runner replays graphs captured without the kernels). On a
+CPU with the native kernels (`cpu_kernels`, set by the CPU runner), the torch path's per-segment
+matmuls become one native call per projection for all of the step's adapter rows: their
+dispatch, not their arithmetic, was most of the cost.
 
 Long runs of one adapter's rows (a prompt's chunk: `long_segment_rows` and more) take the
 per-segment torch path on the triton runtime too: its shrink and expand are two cuBLAS
@@ -17,11 +20,16 @@ wider than any captured CUDA graph (`graph_rows`): a graph replays the kernels a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from services.engine.lora.batch import TILE_ROWS, LoRABatch, max_tiles
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.torch_ops import add_lora, add_lora_grouped
+
+if TYPE_CHECKING:  # the native CPU kernels are loaded by the CPU runner, when it has them
+    from services.engine.kernels.cpu.cpu_native import CpuKernels
 
 KERNELS = ("torch", "triton")
 # torch: one batched matmul over all slots (add_lora_grouped) instead of a loop over segments
@@ -54,6 +62,14 @@ class LoRARuntime:
         self.long_segment_rows = LONG_SEGMENT_ROWS
         self.graph_rows = 0  # the widest step a CUDA graph replays (set by the runner)
         self._long = LoRABatch(0)
+        # torch on a CPU: the native kernels (set by the CPU runner), each projection's slice
+        # offsets for them, and this step's adapter rows and their slots (int32).
+        self.cpu_kernels: CpuKernels | None = None
+        self._offset_tensors = {
+            name: torch.tensor(offsets, dtype=torch.int64)
+            for name, offsets in self._offsets.items()
+        }
+        self._native_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         if kernels == "triton":
             self._init_kernel_buffers(max_rows)
 
@@ -92,7 +108,8 @@ class LoRARuntime:
         """This step's rows and slots (for triton: written into the fixed layout buffers)."""
         self.batch = batch
         if self.kernels != "triton":
-            self._grouped = self._grouped_layout(batch)
+            self._native_rows = self._native_layout(batch)
+            self._grouped = None if self._native_rows is not None else self._grouped_layout(batch)
             return
         if batch.num_rows > self.max_rows:
             raise ValueError(f"{batch.num_rows} rows, more than max_rows {self.max_rows}")
@@ -126,6 +143,13 @@ class LoRARuntime:
         slots = self.slots
         a, b = slots.a[layer][projection], slots.b[layer][projection]
         if self.kernels == "torch":
+            native = self._native_rows
+            if native is not None and self._native_fits(x, y, a):
+                rows, row_slots = native
+                bt = slots.bt[layer][projection]
+                ranks, offsets = slots.rank_tensors[projection], self._offset_tensors[projection]
+                self.cpu_kernels.lora_delta(x, y, rows, row_slots, a, bt, ranks, offsets)
+                return
             offsets = self._offsets[projection]
             if self._grouped is not None:
                 rows, padded_index, group_size, low, high = self._grouped
@@ -160,6 +184,31 @@ class LoRARuntime:
             self._blocks[projection],
             tile_rows=tile_rows,
             tile_bound=bound,
+        )
+
+    def _native_layout(self, batch: LoRABatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This step's adapter rows and their slots for the native kernel (None: not used)."""
+        if self.cpu_kernels is None or batch.is_empty or not self.slots.bt_stacks:
+            return None
+        # Grouped by slot: one adapter's factors stay in cache across its rows.
+        pairs = sorted(
+            (slot, row)
+            for start, length, slot in zip(batch.starts, batch.lengths, batch.slots, strict=True)
+            for row in range(start, start + length)
+        )
+        row_slots = torch.tensor([slot for slot, _ in pairs], dtype=torch.int32)
+        return torch.tensor([row for _, row in pairs], dtype=torch.int32), row_slots
+
+    def _native_fits(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor) -> bool:
+        """Whether this projection's tensors are what the native kernel takes (the slots'
+        transposed B is float32 and contiguous with A)."""
+        return (
+            self.cpu_kernels.supports(x)
+            and x.dtype == y.dtype
+            and x.stride(1) == 1
+            and y.stride(1) == 1
+            and a.dtype == torch.float32
+            and a.is_contiguous()
         )
 
     def _grouped_layout(

@@ -10,7 +10,9 @@ changes from step to step — which lets them be CUDA-graph inputs, and lets one
 serve every adapter of a batch.
 `ranks[projection][slot]` (0: the adapter leaves that projection alone; a host list, and the
 same in `rank_tensors` on the device) lets both paths skip work and read only each adapter's
-real rank.
+real rank. On a CPU every B is also kept transposed ([max_loras, max_rank, out] per layer,
+`bt`, written and zeroed with it): the native CPU kernel's expand then runs along contiguous
+output columns, with no sum across lanes per output.
 
 A write is either in order with the model's work (`write(slot, weights)`: on the current stream,
 what tests and benchmarks that use the slot at once want), or, on a GPU, off it
@@ -79,12 +81,23 @@ class LoRASlots:
                 dtype=dtype,
                 device=self.device,
             )
+        # CPU: each B transposed as well, for the native kernel (module docstring).
+        self.bt_stacks: dict[str, torch.Tensor] = {}
+        if self.device.type == "cpu":
+            self.bt_stacks = {
+                name: torch.zeros_like(stack.transpose(-1, -2)).contiguous()
+                for name, stack in self.b_stacks.items()
+            }
         self.a: list[dict[str, torch.Tensor]] = [
             {name: stack[layer] for name, stack in self.a_stacks.items()}
             for layer in range(self.num_layers)
         ]
         self.b: list[dict[str, torch.Tensor]] = [
             {name: stack[layer] for name, stack in self.b_stacks.items()}
+            for layer in range(self.num_layers)
+        ]
+        self.bt: list[dict[str, torch.Tensor]] = [
+            {name: stack[layer] for name, stack in self.bt_stacks.items()}
             for layer in range(self.num_layers)
         ]
         self.ranks: dict[str, list[int]] = {name: [0] * max_loras for name in PROJECTIONS}
@@ -136,6 +149,8 @@ class LoRASlots:
                 for name, factors in projections.items():
                     self.a[layer][name][slot, :, :rank].copy_(factors.a, non_blocking=True)
                     self.b[layer][name][slot, :, :rank].copy_(factors.b, non_blocking=True)
+                    if self.bt_stacks:
+                        self.bt[layer][name][slot, :rank].copy_(factors.b.t())
         else:
             for name in PROJECTIONS:
                 stacked = weights.stacked.get(name)
@@ -148,6 +163,8 @@ class LoRASlots:
                     continue
                 self.a_stacks[name][:, slot, :, :rank].copy_(stacked.a, non_blocking=True)
                 self.b_stacks[name][:, slot, :, :rank].copy_(stacked.b, non_blocking=True)
+                if self.bt_stacks:
+                    self.bt_stacks[name][:, slot, :rank].copy_(stacked.b.transpose(-1, -2))
                 if old_rank > rank:
                     self._zero(name, slot, rank, old_rank)
         for name in weights.projections():
@@ -159,6 +176,8 @@ class LoRASlots:
         """Zero ranks low..high of `slot` in every layer of projection `name`."""
         self.a_stacks[name][:, slot, :, low:high].zero_()
         self.b_stacks[name][:, slot, :, low:high].zero_()
+        if self.bt_stacks:
+            self.bt_stacks[name][:, slot, low:high].zero_()
 
     def clear(self, slot: int) -> None:
         """Zero `slot` where its last adapter wrote (the rest is zero already)."""

@@ -1097,6 +1097,60 @@ void prefill_attention(const T* query, int64_t query_stride, int64_t query_head_
   }
 }
 
+// A projection's LoRA deltas added to its output in place, for every adapter row of a step
+// in one call (the CPU path's per-segment matmuls cost more in dispatch than in arithmetic):
+// for listed row r on slot s, per slice i of the projection, u = x[r] . A[s, i, :k]^T in
+// float32 (k = ranks[s]; 0: the slot leaves this projection alone), then
+// y[r, cols of slice i] += u . B[s, cols, :k]^T, each output rounded once to T (as eager
+// PyTorch adds a float32 delta to a T tensor). x and y rows have their own strides; A is
+// float32 [slots, slices, max_rank, in] and B is given transposed, float32
+// [slots, max_rank, out], contiguous: the expand runs along contiguous output columns.
+template <typename T>
+void lora_delta(const T* x, int64_t x_stride, T* y, int64_t y_stride, const int32_t* rows,
+                const int32_t* row_slots, int64_t count, const float* a, const float* bt,
+                const int32_t* ranks, const int64_t* slice_offsets, int64_t slices,
+                int64_t max_rank, int64_t in, int64_t out, int threads) {
+#pragma omp parallel num_threads(threads_for(count * (in * slices + out) * max_rank, threads))
+  {
+    float* row = thread_buffer<float>(in + slices * max_rank + out);  // x's row, u, the delta
+    float* u = row + in;
+    float* delta = u + slices * max_rank;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < count; ++n) {
+      const int64_t slot = row_slots[n];
+      const int64_t rank = ranks[slot];
+      if (rank <= 0) continue;
+      const T* source = x + rows[n] * x_stride;
+      for (int64_t k = 0; k < in; ++k) row[k] = to_float(source[k]);
+      const float* a_slot = a + slot * slices * max_rank * in;
+      for (int64_t i = 0; i < slices; ++i) {
+        for (int64_t j = 0; j < rank; ++j) {
+          const float* a_row = a_slot + (i * max_rank + j) * in;
+          float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t k = 0; k < in; ++k) acc += row[k] * a_row[k];
+          u[i * max_rank + j] = acc;
+        }
+      }
+      T* target = y + rows[n] * y_stride;
+      const float* bt_slot = bt + slot * max_rank * out;
+      for (int64_t i = 0; i < slices; ++i) {
+        const int64_t low = slice_offsets[i], high = slice_offsets[i + 1];
+        for (int64_t col = low; col < high; ++col) delta[col] = 0.0f;
+        for (int64_t j = 0; j < rank; ++j) {
+          const float weight = u[i * max_rank + j];
+          const float* bt_row = bt_slot + j * out;
+#pragma omp simd
+          for (int64_t col = low; col < high; ++col) delta[col] += weight * bt_row[col];
+        }
+        for (int64_t col = low; col < high; ++col) {
+          target[col] = from_float<T>(to_float(target[col]) + delta[col]);
+        }
+      }
+    }
+  }
+}
+
 // Index of each row's largest value (the first one on ties, as torch.argmax); rows [rows,
 // width] with a row stride. NaN never wins (logits are finite).
 template <typename T>
@@ -1367,6 +1421,15 @@ void lm_head_bf16(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, 
                          block_tables, table_stride, query_starts, seq_lens,                    \
                          static_cast<T*>(out), out_stride, num_seqs, heads, kv_heads, dim,      \
                          block_size, scale, threads);                                           \
+  }                                                                                             \
+  SLUICE_EXPORT void sluice_lora_delta_##SUFFIX(                                              \
+      const void* x, int64_t x_stride, void* y, int64_t y_stride, const int32_t* rows,          \
+      const int32_t* row_slots, int64_t count, const float* a, const float* bt,                 \
+      const int32_t* ranks, const int64_t* slice_offsets, int64_t slices, int64_t max_rank,     \
+      int64_t in, int64_t out, int threads) {                                                   \
+    lora_delta<T>(static_cast<const T*>(x), x_stride, static_cast<T*>(y), y_stride, rows,       \
+                  row_slots, count, a, bt, ranks, slice_offsets, slices, max_rank, in, out,     \
+                  threads);                                                                     \
   }                                                                                             \
   SLUICE_EXPORT void sluice_argmax_rows_##SUFFIX(const void* values, int64_t row_stride,      \
                                                  int64_t rows, int64_t width,                 \

@@ -52,6 +52,7 @@ _SIGNATURES = {
     "decode_attention": (_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _T),
     "prefill_attention": (_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T),
     "argmax_rows": (_P, _I, _I, _I, _P, _T),
+    "lora_delta": (_P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _T),
 }
 HEAD_TILE = 16  # vocabulary rows per packed tile of the greedy head (cpu_native.cpp)
 
@@ -249,6 +250,44 @@ class CpuKernels:
             result.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return result
+
+    def lora_delta(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        rows: torch.Tensor,
+        row_slots: torch.Tensor,
+        a: torch.Tensor,
+        bt: torch.Tensor,
+        ranks: torch.Tensor,
+        slice_offsets: torch.Tensor,
+    ) -> None:
+        """In place: y[rows[n], slice i] += (x[rows[n]] A[s, i, :k]ᵀ) B[s, slice i, :k]ᵀ for
+        s = row_slots[n], k = ranks[s] (0: skipped), float32 math, each output rounded once.
+
+        x [T, in] and y [T, out] of one dtype (contiguous rows); rows and row_slots int32 [n];
+        a float32 [slots, slices, max_rank, in] and bt, B transposed, float32
+        [slots, max_rank, out] (contiguous); ranks int32 [slots]; slice_offsets int64
+        [slices + 1] (the first 0, the last out).
+        """
+        _check_rows(x, "x")
+        _check_rows(y, "y")
+        if x.dtype != y.dtype:
+            raise ValueError("lora_delta needs x and y of one dtype")
+        _check_index(a, torch.float32, "a")
+        _check_index(bt, torch.float32, "bt")
+        for tensor, name in ((rows, "rows"), (row_slots, "row_slots"), (ranks, "ranks")):
+            _check_index(tensor, torch.int32, name)
+        _check_index(slice_offsets, torch.int64, "slice_offsets")
+        slots, slices, max_rank, in_features = a.shape
+        if bt.shape != (slots, max_rank, y.shape[1]) or x.shape[1] != in_features:
+            raise ValueError("lora_delta: x, y, a and bt shapes disagree")
+        self._call(
+            "lora_delta", x.dtype, x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
+            rows.data_ptr(), row_slots.data_ptr(), rows.numel(), a.data_ptr(), bt.data_ptr(),
+            ranks.data_ptr(), slice_offsets.data_ptr(), slices, max_rank, in_features,
+            y.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
 
     def greedy_head_supports(self, weight: torch.Tensor) -> bool:
         """Whether `greedy_head` can serve this LM head weight (bf16 on an AVX-512 BF16 CPU)."""

@@ -1,10 +1,11 @@
-"""The torch math (segment loop and slot-grouped) against a plain per-row loop, via the slots."""
+"""The CPU LoRA math (segment loop, slot-grouped, native kernel) against a plain per-row loop."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.engine.kernels.cpu import cpu_native
 from services.engine.lora.batch import LoRABatch
 from services.engine.lora.projections import PROJECTIONS
 from services.engine.lora.runtime import LoRARuntime
@@ -52,9 +53,21 @@ def per_row_reference(
 SLOTS = LoRASlots(CONFIG, max_loras=3, max_rank=8, dtype=torch.float32, device="cpu")
 
 
-@pytest.mark.parametrize("grouped", [False, True])
+def runtime_for(native: bool, row_slots: list[int]) -> LoRARuntime:
+    """The CPU runtime over SLOTS with this step's rows; with the native kernels (checked to
+    be used) or the torch ops."""
+    runtime = LoRARuntime(SLOTS)
+    if native:
+        runtime.cpu_kernels = cpu_native.cpu_kernels()
+        assert runtime.cpu_kernels is not None, "the native CPU kernels did not build"
+    runtime.set_batch(LoRABatch.from_row_slots(row_slots))
+    assert (runtime._native_rows is not None) == native
+    return runtime
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped", "native"])
 @pytest.mark.parametrize("projection", PROJECTIONS)
-def test_mixed_segments_match_the_per_row_loop(projection: str, grouped: bool) -> None:
+def test_mixed_segments_match_the_per_row_loop(projection: str, path: str) -> None:
     weights = {
         0: random_weights("r8-all", 8, PROJECTIONS, 1, SLOTS),
         1: random_weights("r2-attn", 2, ("qkv_proj", "o_proj"), 2, SLOTS),
@@ -73,7 +86,10 @@ def test_mixed_segments_match_the_per_row_loop(projection: str, grouped: bool) -
     for layer in range(CONFIG.num_layers):
         y = base.clone()
         a, b = SLOTS.a[layer][projection], SLOTS.b[layer][projection]
-        if grouped:
+        if path == "native":  # adapters 1 and 2 leave some projections alone: rank 0 there
+            runtime = runtime_for(True, row_slots)
+            runtime.apply(layer, projection, x, y)
+        elif path == "grouped":
             add_lora_grouped(
                 y,
                 x,
@@ -113,6 +129,11 @@ def test_rewriting_a_slot_leaves_nothing_of_the_previous_adapter(stacked: bool) 
         assert slots.b[layer]["down_proj"].abs().sum() == 0
         assert slots.a[layer]["o_proj"][0, :, 2:].abs().sum() == 0  # rank padding
         assert torch.equal(slots.a[layer]["o_proj"][0, :, :2], small.layers[layer]["o_proj"].a)
+        # The CPU's transposed copy of B follows every write and zeroing.
+        assert slots.bt[layer]["down_proj"].abs().sum() == 0
+        assert slots.bt[layer]["o_proj"][0, 2:].abs().sum() == 0
+        assert torch.equal(slots.bt[layer]["o_proj"][0, :2], small.layers[layer]["o_proj"].b.t())
+        assert torch.equal(slots.bt[layer]["o_proj"], slots.b[layer]["o_proj"].transpose(1, 2))
     with pytest.raises(ValueError, match="over the slot rank"):
         slots.write(0, random_weights("big", 9, ("o_proj",), 3, slots))
     with pytest.raises(IndexError):
@@ -126,15 +147,15 @@ def test_rewriting_a_slot_leaves_nothing_of_the_previous_adapter(stacked: bool) 
         [2] * 5 + [-1] * 3 + [1] * 6,  # prefill-like runs: the segment loop
     ],
 )
-def test_the_runtime_gives_the_same_result_either_way(row_slots: list[int]) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_the_runtime_gives_the_same_result_either_way(row_slots: list[int], native: bool) -> None:
     weights = {
         slot: random_weights(f"a{slot}", rank, PROJECTIONS, slot, SLOTS)
         for slot, rank in ((0, 3), (1, 8), (2, 5))
     }
     for slot, adapter in weights.items():
         SLOTS.write(slot, adapter)
-    runtime = LoRARuntime(SLOTS)
-    runtime.set_batch(LoRABatch.from_row_slots(row_slots))
+    runtime = runtime_for(native, row_slots)
     generator = torch.Generator().manual_seed(11)
     for projection in PROJECTIONS:
         shape = SLOTS.shapes[projection]
@@ -146,15 +167,17 @@ def test_the_runtime_gives_the_same_result_either_way(row_slots: list[int]) -> N
 
 
 @pytest.mark.parametrize("row_slots", [[0, 1, 2, 0, 1, 2, -1, 2], [2] * 5 + [-1] * 3 + [1] * 6])
-def test_a_bfloat16_model_with_float32_slots_rounds_only_at_the_end(row_slots: list[int]) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_a_bfloat16_model_with_float32_slots_rounds_only_at_the_end(
+    row_slots: list[int], native: bool
+) -> None:
     weights = {
         slot: random_weights(f"a{slot}", rank, PROJECTIONS, slot, SLOTS)
         for slot, rank in ((0, 3), (1, 8), (2, 5))
     }
     for slot, adapter in weights.items():
         SLOTS.write(slot, adapter)
-    runtime = LoRARuntime(SLOTS)
-    runtime.set_batch(LoRABatch.from_row_slots(row_slots))
+    runtime = runtime_for(native, row_slots)
     generator = torch.Generator().manual_seed(12)
     for projection in PROJECTIONS:
         shape = SLOTS.shapes[projection]

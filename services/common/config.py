@@ -84,6 +84,13 @@ def describe(config: Any) -> str:
     return "\n".join(lines)
 
 
+def bool_setting(name: str, default: bool) -> bool:
+    """SLUICE_<NAME> as a boolean (1/true/yes/on, 0/false/no/off), `default` when unset; any
+    other value is refused as a flag's would be."""
+    raw = env.setting(name)
+    return default if raw is None else _convert(raw, bool, f"{env.PREFIX}{name.upper()}")
+
+
 def _base_type(hint: Any) -> Any:
     """Strip Optional[...] / X | None to X."""
     origin = typing.get_origin(hint)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.common.config import add_arguments, describe, field, from_layers
+from services.common.config import add_arguments, bool_setting, describe, field, from_layers
 from services.common.errors import InvalidArgumentError
 
 
@@ -49,3 +49,16 @@ def test_describe_masks_only_secrets() -> None:
     assert "hunter2" not in text
     assert "redis_password = '***'" in text
     assert "max_num_batched_tokens = 2048" in text
+
+
+def test_a_boolean_setting_reads_the_flag_words_and_refuses_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SLUICE_SOME_SWITCH", raising=False)
+    assert bool_setting("some_switch", True) is True
+    for raw, expected in (("off", False), ("0", False), ("Yes", True), (" 1 ", True)):
+        monkeypatch.setenv("SLUICE_SOME_SWITCH", raw)
+        assert bool_setting("some_switch", not expected) is expected
+    monkeypatch.setenv("SLUICE_SOME_SWITCH", "maybe")
+    with pytest.raises(InvalidArgumentError, match="SLUICE_SOME_SWITCH"):
+        bool_setting("some_switch", True)

@@ -33,7 +33,7 @@ from triton import knobs
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime import driver
 
-from services.common import env
+from services.common.config import bool_setting
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 # False: every launch takes Triton's full path (benchmarks.lora_launch_bench compares both).
@@ -123,7 +123,7 @@ _PDL_OFF = {"USE_PDL": False}
 @functools.cache
 def _pdl_supported(index: int | None) -> bool:
     """Hopper or later, unless SLUICE_PDL=0 (asked once per device)."""
-    if (env.setting("pdl") or "1").strip().lower() in ("0", "false", "no", "off"):
+    if not bool_setting("pdl", True):
         return False
     index = torch.cuda.current_device() if index is None else index
     return torch.cuda.get_device_capability(index) >= (9, 0)

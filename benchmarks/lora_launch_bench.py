@@ -11,8 +11,9 @@ rows of 16 adapters; a 2048-row prefill of 4) as GPU time (CUDA events) and host
 launching thread), beside the base projections' matmuls of the same rows (cuBLAS, same run),
 for the torch path and for the Triton kernels: their defaults launched through Triton's own
 dispatch and directly (the serving path, services/engine/kernels/triton/launch.py), and other
-launch settings (programs per SM, rows per tile, K per split, output columns per block). When
-host time equals GPU time, the launches, not the kernels, set the step's cost.
+launch settings (programs per SM, rows per tile, K per split, output columns per block, blocks
+per expand work item). When host time equals GPU time, the launches, not the kernels, set the
+step's cost.
 """
 
 from __future__ import annotations
@@ -40,17 +41,18 @@ from services.engine.models.config import ModelConfig
 LAYERS = 32
 SLOTS = 16
 RANK = 16
-# (programs per SM, rows per tile, decode K per split, prefill K per split, expand BLOCK_N)
+# (programs per SM, rows per tile, decode K per split, prefill K per split, expand BLOCK_N,
+# expand blocks per work item in prefill-sized steps)
 VARIANTS = [
-    (8, 16, 256, 1024, 256),  # the defaults
-    (16, 16, 256, 1024, 256),
-    (4, 16, 256, 1024, 256),
-    (8, 32, 256, 1024, 256),
-    (8, 64, 256, 1024, 256),
-    (8, 16, 512, 1024, 256),
-    (8, 16, 1024, 4096, 256),
-    (8, 16, 256, 1024, 128),
-    (8, 16, 256, 1024, 512),
+    (8, 16, 256, 1024, 256, 4),  # the defaults
+    (8, 16, 256, 1024, 256, 1),
+    (8, 16, 256, 1024, 256, 2),
+    (8, 16, 256, 1024, 256, 8),
+    (8, 16, 256, 1024, 128, 8),
+    (16, 16, 256, 1024, 256, 4),
+    (4, 16, 256, 1024, 256, 4),
+    (8, 32, 256, 1024, 256, 4),
+    (8, 16, 512, 1024, 256, 4),
 ]
 
 
@@ -143,12 +145,14 @@ def _base_ms(slots: LoRASlots, rows: int) -> float:
     return _timed(step, reps=10)[0]
 
 
-def _set_variant(variant: tuple[int, int, int, int, int]) -> None:
-    programs, tile_rows, decode_k, prefill_k, block_n = variant
+def _set_variant(variant: tuple[int, ...]) -> None:
+    """Set the kernels' launch constants (a runtime made afterwards builds its tables
+    from them)."""
+    programs, tile_rows, decode_k, prefill_k, block_n, sub_blocks = variant
     shrink_mod.PROGRAMS_PER_SM = programs
     batch_mod.TILE_ROWS = runtime_mod.TILE_ROWS = tile_rows
     shrink_mod.DECODE_K_PER_SPLIT, shrink_mod.PREFILL_K_PER_SPLIT = decode_k, prefill_k
-    expand_mod.BLOCK_N = block_n
+    expand_mod.BLOCK_N, expand_mod.WIDE_SUB_BLOCKS = block_n, sub_blocks
     shrink_mod._shrink_launch.cache_clear()  # its constexprs follow the K per split
 
 
@@ -188,18 +192,9 @@ def main() -> int:
         if variant is not None:
             _set_variant(variant)
         runtime = runtime_mod.LoRARuntime(slots, kernels=kernels, max_rows=8192)
-        if variant is not None:  # the column-block tables follow the block width
-            runtime._blocks = {
-                name: torch.tensor(
-                    expand_mod.column_blocks(offsets, expand_mod.BLOCK_N),
-                    dtype=torch.int32,
-                    device="cuda",
-                )
-                for name, offsets in runtime._offsets.items()
-            }
         label = kernels
         if variant is not None:
-            label = "triton pps={} tile={} dk={} pk={} bn={}".format(*variant)
+            label = "triton pps={} tile={} dk={} pk={} bn={} sub={}".format(*variant)
             label += ", direct launches" if direct else ", Triton's dispatch"
         for name, rows in layouts.items():
             gpu_ms, host_ms = _step_ms(runtime, rows)

@@ -164,6 +164,7 @@ class LLMEngine(OverlappedSteps):
         self._overlap_mixed = capabilities.supports_overlap and capabilities.overlap_mixed
         self._launched: LaunchedStep | None = None
         self._last_collected = 0.0  # perf_counter when a launched step's ids were last read
+        self.host_wait_s = 0.0  # blocked reading launched steps' ids (overlap.py)
         self.num_overlapped_steps = 0
         # Steps that were not planned ahead, by why not (overlap.py's reasons): each one waited
         # for the step before it to be read before it was planned.
@@ -408,6 +409,7 @@ class LLMEngine(OverlappedSteps):
             plain_step_reasons=(
                 dict(self.plain_step_reasons) if self._launch_greedy is not None else None
             ),
+            host_wait_s=self.host_wait_s,
         )
 
     def _queued_prompt_tokens(self) -> int:

@@ -188,6 +188,8 @@ class OverlappedSteps:
     _requests: dict[str, Sequence]
     _retire: Callable[[Sequence, FinishReason], None]
     _plain_greedy: Callable[[Iterable[tuple[Sequence, int]]], bool]
+    # Seconds the host spent blocked reading launched steps' ids (waiting for the device).
+    host_wait_s: float
 
     def _launch(
         self,
@@ -237,7 +239,9 @@ class OverlappedSteps:
     def _collect(self, launched: LaunchedStep, deltas: list[SequenceDelta]) -> bool:
         """Read a launched step's ids, resolve pending tokens, apply stop conditions."""
         try:
+            waited = time.perf_counter()
             tokens = launched.handle.result()
+            self.host_wait_s += time.perf_counter() - waited
             if len(tokens) != len(launched.to_sample):
                 raise FailedPreconditionError(
                     f"the runner returned {len(tokens)} ids for {len(launched.to_sample)} rows"

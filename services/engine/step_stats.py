@@ -8,8 +8,9 @@ generated tokens per second, the
 sequences running, paused for a LoRA slot and waiting, the KV cache in use, with adapters
 the slot writes and pauses of the interval and, where the runner launches steps without
 waiting, the share of steps planned before the step ahead of them was read (the others waited
-for it: the device idles meanwhile) with the commonest reasons why not. No torch; the engine
-passes its counters in.
+for it: the device idles meanwhile) with the commonest reasons why not, and the share of the
+interval the host spent blocked reading launched steps (near 0% with the device below 100%
+busy: the host, not the device, sets the pace). No torch; the engine passes its counters in.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class QueueState:
     resident_adapters: int = -1  # -1: adapters off
     # Steps not planned ahead since the engine started, by reason (None: it never plans ahead).
     plain_step_reasons: Mapping[str, int] | None = None
+    # Seconds the host has spent blocked reading launched steps' ids since the engine started.
+    host_wait_s: float = 0.0
 
 
 class StepStats:
@@ -49,6 +52,7 @@ class StepStats:
         self._generated_tokens = 0
         self._last_writes = 0
         self._last_pauses = 0
+        self._last_wait_s = 0.0
         self._ahead = 0
         self._last_reasons: Counter[str] = Counter()
 
@@ -94,7 +98,10 @@ class StepStats:
             )
         if state.plain_step_reasons is not None:
             text += self._ahead_text(state.plain_step_reasons)
+            waited = state.host_wait_s - self._last_wait_s
+            text += f"; host waiting for the device {100.0 * waited / elapsed:.0f}%"
         self._last_writes, self._last_pauses = state.slot_writes, state.pauses
+        self._last_wait_s = state.host_wait_s
         self._start = self._clock()
         self._steps = self._ahead = 0
         self._busy_s = 0.0

@@ -120,6 +120,10 @@ def check_against_torch(
             runtime.apply(layer, projection, x, ours)
             torch.testing.assert_close(ours.float(), expected, atol=tolerance, rtol=tolerance)
             assert torch.equal(ours[base_rows], y[base_rows]), projection
+            # The same through project: on a GPU the shrink beside the "base matmul" (a copy).
+            projected = runtime.project(layer, projection, x, lambda _, y=y: y.clone())
+            torch.testing.assert_close(projected.float(), expected, atol=tolerance, rtol=tolerance)
+            assert torch.equal(projected[base_rows], y[base_rows]), projection
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -138,7 +142,9 @@ def test_long_runs_through_cublas_beside_the_kernels_match_the_torch_path(dtype)
     check_against_torch(DEVICE, "wide", dtype, "runs", 300, 16, long_segment_rows=24)
 
 
-def check_graph_replay(device: str) -> None:
+def check_graph_replay(device: str, entry: str = "apply") -> None:
+    """A graph captured once computes each adapter mix set afterwards; `entry` "project":
+    captured through LoRARuntime.project (on a GPU the shrink on a side stream, joined)."""
     config = tiny_model_config(**SHAPES["wide"])
     slots, reference_slots = _filled_slots(config, 4, 16, torch.bfloat16, device)
     runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
@@ -155,7 +161,10 @@ def check_graph_replay(device: str) -> None:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        runtime.apply(0, "qkv_proj", x, y)
+        if entry == "project":
+            y = runtime.project(0, "qkv_proj", x, lambda _: y0.clone())
+        else:
+            runtime.apply(0, "qkv_proj", x, y)
     for mix in ([0] * rows, [(row % 5) - 1 for row in range(rows)], [3, -1] * (rows // 2)):
         batch = LoRABatch.from_row_slots(mix)
         runtime.set_batch(batch)
@@ -167,8 +176,9 @@ def check_graph_replay(device: str) -> None:
         torch.testing.assert_close(y.float(), expected, atol=3e-2, rtol=3e-2)
 
 
-def test_a_captured_graph_serves_any_adapter_mix() -> None:
-    check_graph_replay(DEVICE)
+@pytest.mark.parametrize("entry", ["apply", "project"])
+def test_a_captured_graph_serves_any_adapter_mix(entry) -> None:
+    check_graph_replay(DEVICE, entry)
 
 
 def test_an_asynchronous_slot_write_lands_what_an_ordered_one_writes() -> None:

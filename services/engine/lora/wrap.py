@@ -23,7 +23,7 @@ _PROJECTION_PATHS = {
 
 
 class LoRALinear(nn.Module):
-    """`y = base(x)`, then the runtime adds each row's adapter delta to y."""
+    """`y = base(x)` with each row's adapter delta added by the runtime (LoRARuntime.project)."""
 
     def __init__(self, base: nn.Module, runtime: LoRARuntime, layer: int, projection: str):
         super().__init__()
@@ -33,9 +33,7 @@ class LoRALinear(nn.Module):
         self.projection = projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        self.runtime.apply(self.layer, self.projection, x, y)
-        return y
+        return self.runtime.project(self.layer, self.projection, x, self.base)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, projection={self.projection}"

@@ -49,15 +49,16 @@ def test_the_share_planned_ahead_and_the_plain_steps_reasons_are_per_interval() 
         stats.record(0.01, 0, 1, planned_ahead=index >= 2)
     clock.now += 5.0
     reasons = {"idle": 1, "KV blocks short": 1}
-    first = stats.line(QueueState(**base, plain_step_reasons=reasons))
-    assert first.endswith("; 90% planned ahead (plain: 1 idle, 1 KV blocks short)")
+    first = stats.line(QueueState(**base, plain_step_reasons=reasons, host_wait_s=2.0))
+    assert first.endswith(
+        "; 90% planned ahead (plain: 1 idle, 1 KV blocks short); host waiting for the device 40%"
+    )
     for _ in range(10):
         stats.record(0.01, 0, 1, planned_ahead=True)
     clock.now += 5.0
     reasons = {"idle": 1, "KV blocks short": 1, "empty plan": 0}
-    assert stats.line(QueueState(**base, plain_step_reasons=reasons)).endswith(
-        "; 100% planned ahead"
-    )
+    second = QueueState(**base, plain_step_reasons=reasons, host_wait_s=2.25)  # 0.25 s of 5
+    assert stats.line(second).endswith("; 100% planned ahead; host waiting for the device 5%")
     stats.record(0.01, 0, 1)
     clock.now += 5.0
     assert "planned ahead" not in stats.line(QueueState(**base))  # a runner that cannot

@@ -16,9 +16,13 @@ Programmatic dependent launch (Hopper and later; `pdl_options`): every Sluice ke
 with `pdl_prologue`, which waits until the kernel before it in the stream has finished and its
 writes are visible (`griddepcontrol.wait`), then lets the next one launch. Launched with PDL, a
 kernel's launch and block scheduling overlap the tail of the one before, instead of starting
-after it: a decode step is a chain of ~10 small kernels a layer, whose gaps add up. Nothing a
-kernel reads is touched before its wait, so the order of every read and write is the stream's.
-`SLUICE_PDL=0` turns it off.
+after it: a decode step is a chain of ~10 small kernels a layer, whose gaps add up. The LoRA
+kernels open differently: they let the next kernel launch first, read what no kernel of the step
+writes (its tile layout, copied in before the step's first kernel, and the adapters' weights)
+before their wait, and wait before their first read of a kernel's output, before any write, and
+once more before they end (a program with no work too). Every kernel thus ends after the one
+before it, a kernel's wait covers all earlier ones, and the order of every read and write of a
+kernel's output is the stream's. `SLUICE_PDL=0` turns it off.
 """
 
 from __future__ import annotations

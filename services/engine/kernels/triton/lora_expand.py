@@ -1,13 +1,18 @@
 """LoRA expand: y[row, slice cols] += u[row, slice] · B[slot(row), slice cols]ᵀ, in place.
 
 The second half of multi-LoRA (after lora_shrink). A work item is one tile of rows (one slot)
-and one block of output columns; the column blocks of all slices (q, k, v of a fused qkv
-output, or gate, up) are laid end to end in a per-projection table (`column_blocks`: the slice
-of each block, its first column, its slice's end), so no item falls in a gap of a narrow
-slice. Each item takes its rows' u from the shrink (float32, rounded to B's dtype, as a LoRA
-layer in that dtype computes it), multiplies it by the slot's rank-padded B and adds the
-result to y. Rows of no tile (the base model's) are never read or written. Persistent
-grid, item count read on the device, as in lora_shrink.
+and one block of output columns (decode-sized steps) or a few blocks side by side
+(`WIDE_SUB_BLOCKS`, prefill-sized steps, their loads pipelined); the blocks of all slices
+(q, k, v of a fused qkv output, or gate, up) are laid end to end in a per-projection table
+(`column_blocks`: the slice of each block, its first column, its slice's end), so no item
+falls in a gap of a narrow slice. Each item takes its rows' u from the shrink (float32,
+rounded to B's dtype, as a LoRA layer in that dtype computes it), multiplies it by the slot's
+rank-padded B and adds the result to y. Rows of no tile (the base model's) are never read or
+written. Persistent grid, item count read on the device, as in lora_shrink.
+
+With programmatic dependent launch, the step's layout and the adapters' B (never written by the
+kernel just before: launch.py) are read before the wait, so their latency hides behind the
+shrink's tail; u and y only after it.
 """
 
 from __future__ import annotations
@@ -15,11 +20,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
+from services.engine.kernels.triton.launch import CachedLaunch, pdl_options
 from services.engine.kernels.triton.lora_shrink import persistent_grid, pow2_at_least
 
 BLOCK_N = 256
+# Blocks of BLOCK_N columns per work item in prefill-sized steps: tiles are many there, and
+# walking several blocks with the tile's u read once lets their loads overlap.
+WIDE_SUB_BLOCKS = 4
 
 
 def column_blocks(slice_offsets: tuple[int, ...], block_n: int = BLOCK_N) -> list[int]:
@@ -29,6 +38,17 @@ def column_blocks(slice_offsets: tuple[int, ...], block_n: int = BLOCK_N) -> lis
         for first in range(low, high, block_n):
             table.extend((index, first, high))
     return table
+
+
+@triton.jit
+def _add_block(u, b_tile, y_ptrs, y_mask, IEEE: tl.constexpr):
+    """y[rows, block] += u · B[block]ᵀ for one block of output columns."""
+    if IEEE:
+        delta = tl.dot(u, b_tile, input_precision="ieee")
+    else:
+        delta = tl.dot(u.to(b_tile.dtype), b_tile)
+    y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y_tile + delta).to(y_ptrs.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
@@ -51,45 +71,60 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SUB_BLOCKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
+    if USE_PDL:  # the next kernel may launch; it waits for this one to end (launch.py)
+        gdc_launch_dependents()
     num_items = tl.load(tiles_ptr) * num_blocks
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     item = tl.program_id(0)
     while item < num_items:
+        # The step's layout and the adapters' B: written before the kernel before this one
+        # began, so read before the wait (their latency overlaps that kernel's tail).
         tile = item // num_blocks
         block = item % num_blocks
         slot = tl.load(tiles_ptr + 1 + tile).to(tl.int64)
         rank = tl.load(slot_ranks_ptr + slot)
-        if rank > 0:  # 0: the adapter leaves this projection alone
-            start = tl.load(tiles_ptr + 1 + TILE_CAPACITY + tile)
-            count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
-            slice_id = tl.load(blocks_ptr + 3 * block)
-            first = tl.load(blocks_ptr + 3 * block + 1)
-            end = tl.load(blocks_ptr + 3 * block + 2)
-            mask_m = offs_m < count
-            rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
-            mask_r = offs_r < rank  # the slot's real rank: its padding is never read
-            u_ptrs = u_ptr + rows[:, None] * stride_um + slice_id * MAX_RANK + offs_r[None, :]
-            u = tl.load(u_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        start = tl.load(tiles_ptr + 1 + TILE_CAPACITY + tile)
+        count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
+        slice_id = tl.load(blocks_ptr + 3 * block)
+        first = tl.load(blocks_ptr + 3 * block + 1)
+        end = tl.load(blocks_ptr + 3 * block + 2)
+        mask_m = offs_m < count
+        rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        mask_r = offs_r < rank  # the slot's real rank (0: nothing to add): padding never read
+        u_ptrs = u_ptr + rows[:, None] * stride_um + slice_id * MAX_RANK + offs_r[None, :]
+        b_base = b_ptr + slot * stride_bs + offs_r[:, None]
+        y_base = y_ptr + rows[:, None] * stride_ym
+        u_mask = mask_m[:, None] & mask_r[None, :]
+        if SUB_BLOCKS == 1:  # decode-sized: one block, its B fetched before the wait
             offs_n = first + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            b_tile = tl.load(
-                b_ptr + slot * stride_bs + offs_n[None, :] * stride_bo + offs_r[:, None],
-                mask=mask_n[None, :] & mask_r[:, None],
-                other=0.0,
-            )
-            if IEEE:
-                delta = tl.dot(u, b_tile, input_precision="ieee")
-            else:
-                delta = tl.dot(u.to(b_tile.dtype), b_tile)
-            y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
-            y_mask = mask_m[:, None] & mask_n[None, :]
-            y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, (y_tile + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+            b_mask = mask_n[None, :] & mask_r[:, None]
+            b_tile = tl.load(b_base + offs_n[None, :] * stride_bo, mask=b_mask, other=0.0)
+            if USE_PDL:  # u is the shrink's (the kernel before), y the base matmul's
+                gdc_wait()
+            if rank > 0:
+                u = tl.load(u_ptrs, mask=u_mask, other=0.0)
+                y_mask = mask_m[:, None] & mask_n[None, :]
+                _add_block(u, b_tile, y_base + offs_n[None, :], y_mask, IEEE)
+        else:  # prefill-sized: SUB_BLOCKS blocks a work item, u read once, loads pipelined
+            if USE_PDL:
+                gdc_wait()
+            if rank > 0:
+                u = tl.load(u_ptrs, mask=u_mask, other=0.0)
+                for sub in range(SUB_BLOCKS):
+                    offs_n = first + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+                    mask_n = offs_n < end
+                    b_mask = mask_n[None, :] & mask_r[:, None]
+                    b_tile = tl.load(b_base + offs_n[None, :] * stride_bo, mask=b_mask, other=0.0)
+                    y_mask = mask_m[:, None] & mask_n[None, :]
+                    _add_block(u, b_tile, y_base + offs_n[None, :], y_mask, IEEE)
         item += tl.num_programs(0)
+    if USE_PDL:  # never end before the kernel before this one (programs without items too)
+        gdc_wait()
 
 
 _launch_expand = CachedLaunch(_lora_expand_kernel)
@@ -106,14 +141,16 @@ def lora_expand(
     *,
     tile_rows: int,
     tile_bound: int,
+    sub_blocks: int = 1,
 ) -> None:
     """y[r, cols of slice i] += u[r, i * max_rank:][:rank] · b[slot, cols of slice i]ᵀ for
     every row r of every tile.
 
     u float32 from lora_shrink (row-major, unit column stride); b [slots, out, max_rank] (last
     dim contiguous); y [T, out] with unit column stride; blocks int32 on the device,
-    column_blocks(...) of this projection; tiles, row_indices, slot_ranks, tile_rows and
-    tile_bound as for lora_shrink.
+    column_blocks(offsets, BLOCK_N * sub_blocks) of this projection (sub_blocks: the column
+    blocks of BLOCK_N one work item covers, WIDE_SUB_BLOCKS for prefill-sized steps); tiles,
+    row_indices, slot_ranks, tile_rows and tile_bound as for lora_shrink.
     """
     _, out_features, max_rank = b.shape
     u_stride, b_stride, y_stride = u.stride(), b.stride(), y.stride()
@@ -142,6 +179,7 @@ def lora_expand(
         BLOCK_M=tile_rows,
         BLOCK_N=BLOCK_N,
         BLOCK_R=pow2_at_least(max_rank),
+        SUB_BLOCKS=sub_blocks,
         num_warps=4,
         **pdl_options(y.device),
     )

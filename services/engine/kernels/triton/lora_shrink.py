@@ -13,6 +13,7 @@ each item's K loop short: decode steps have few tiles). u must be zero in the ti
 caller alternates two u buffers, and each launch zeroes the other one's rows of its tiles, for
 the next projection to add into (services/engine/lora/runtime.py), so no launch is spent on
 zeroing. Rows past a slot's real rank are masked (its padding is never read) and stay zero.
+With programmatic dependent launch, each item's tile layout is read before the wait (launch.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
+from services.engine.kernels.triton.launch import CachedLaunch, pdl_options
 
 # Programs per SM of the persistent grids (shrink and expand).
 PROGRAMS_PER_SM = 8
@@ -59,7 +61,8 @@ def _lora_shrink_kernel(
     BLOCK_Z: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
+    if USE_PDL:  # the next kernel may launch; it waits for this one to end (launch.py)
+        gdc_launch_dependents()
     num_items = tl.load(tiles_ptr) * SPLIT_K
     offs_j = tl.arange(0, BLOCK_J)  # slice * MAX_RANK + rank index
     offs_m = tl.arange(0, BLOCK_M)
@@ -73,6 +76,8 @@ def _lora_shrink_kernel(
         count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
         mask_m = offs_m < count
         rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        if USE_PDL:  # the layout above is read before the wait; x, u and zero only after it
+            gdc_wait()
         u_offsets = rows[:, None] * stride_um + offs_j[None, :]
         u_mask = mask_m[:, None] & (offs_j < WIDTH)[None, :]
         if split == 0:  # the next projection's u starts from zero in these rows
@@ -110,6 +115,8 @@ def _lora_shrink_kernel(
             else:
                 tl.atomic_add(u_ptr + u_offsets, acc, mask=u_mask)
         item += tl.num_programs(0)
+    if USE_PDL:  # never end before the kernel before this one (programs without items too)
+        gdc_wait()
 
 
 _launch_shrink = CachedLaunch(_lora_shrink_kernel)

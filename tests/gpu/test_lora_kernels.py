@@ -213,6 +213,37 @@ def test_an_asynchronous_slot_write_lands_what_an_ordered_one_writes() -> None:
         assert side.rank_tensors[name].tolist() == ordered.rank_tensors[name].tolist()
 
 
+def test_a_slot_write_waits_for_the_last_step_reading_that_slot_only() -> None:
+    """A write into a slot that the step in flight does not read starts at once (during that
+    step); one into a slot it reads waits for it to end (services/engine/lora/read_fences.py).
+    Issuing either returns at once: nothing in it waits for the device."""
+    config = tiny_model_config(**SHAPES["wide"])
+    slots = LoRASlots(config, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=DEVICE)
+    runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
+    adapter = stack_layers(_adapter(slots, "a", 16, PROJECTIONS, seed=1), pin=True)
+    runtime.set_batch(LoRABatch.from_row_slots([1] * 4))  # a step reading slot 1
+    runtime.set_batch(LoRABatch.from_row_slots([0] * 4))  # the next reads slot 0 only...
+    torch.cuda._sleep(1_000_000_000)  # ...and runs long (about half a second)
+    torch.cuda.set_sync_debug_mode("error")  # issuing a write never waits for the device
+    try:
+        early = slots.write(1, adapter, asynchronous=True, after=runtime.read_fence(1))
+        late = slots.write(0, adapter, asynchronous=True, after=runtime.read_fence(0))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert early is not None and late is not None
+    early.wait()
+    assert not late.done()  # still behind the step in flight
+    late.wait()
+    torch.cuda.synchronize()
+    for name in PROJECTIONS:
+        torch.testing.assert_close(
+            slots.a_stacks[name][:, 0], slots.a_stacks[name][:, 1], rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            slots.b_stacks[name][:, 0], slots.b_stacks[name][:, 1], rtol=0, atol=0
+        )
+
+
 def test_direct_launches_compute_what_the_jit_path_computes(monkeypatch) -> None:
     """After its first launch per specialization a kernel skips Triton's dispatch
     (kernels/triton/launch.py): every later launch must give the JIT path's bits."""

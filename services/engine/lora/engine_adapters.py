@@ -172,7 +172,8 @@ class EngineAdapters:
 
     def _write_slot(self, slot: int, weights: AdapterWeights) -> SlotWrite | None:
         """A swap off the step stream: the copies overlap the steps that go on meanwhile."""
-        return self.slots.write(slot, weights, asynchronous=True)
+        after = self.runtime.read_fence(slot)  # the last launched step that reads the slot
+        return self.slots.write(slot, weights, asynchronous=True, after=after)
 
     def _load(self, record: AdapterRecord) -> AdapterWeights:
         """On the loader thread: read, verify and lay out; pinned host memory for a GPU."""

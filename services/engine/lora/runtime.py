@@ -22,12 +22,13 @@ wider than any captured CUDA graph (`graph_rows`): a graph replays the kernels a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.lora.batch import TILE_ROWS, LoRABatch, max_tiles
+from services.engine.lora.read_fences import SlotReadFences
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.torch_ops import add_lora, add_lora_grouped
 
@@ -79,6 +80,10 @@ class LoRARuntime:
         }
         self._native_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._side_stream: torch.cuda.Stream | None = None  # the kernels' on a GPU (project)
+        # On a GPU: which step last read each slot, for slot writes (read_fence).
+        self.read_fences: SlotReadFences | None = None
+        if slots.device.type == "cuda":
+            self.read_fences = SlotReadFences(slots.device)
         self.side_shrink_max_rows = SIDE_SHRINK_MAX_ROWS
         if kernels == "triton":
             self._init_kernel_buffers(max_rows)
@@ -132,6 +137,8 @@ class LoRARuntime:
     def set_batch(self, batch: LoRABatch) -> None:
         """This step's rows and slots (for triton: written into the fixed layout buffers)."""
         self.batch = batch
+        if self.read_fences is not None:
+            self.read_fences.begin_step(self._slots_read(batch))
         if self.kernels != "triton":
             self._native_rows = self._native_layout(batch)
             self._grouped = None if self._native_rows is not None else self._grouped_layout(batch)
@@ -160,6 +167,20 @@ class LoRARuntime:
             self._copied[self._turn] = event
         self._turn ^= 1
         self._num_tiles = tiles.num_tiles
+
+    def _slots_read(self, batch: LoRABatch) -> Iterable[int]:
+        """The slots a step of `batch` reads: its adapters' (the torch path's batched matmul
+        reads every slot from the lowest to the highest of them)."""
+        if not batch.slots:
+            return ()
+        if self.kernels == "torch":
+            return range(min(batch.slots), max(batch.slots) + 1)
+        return batch.distinct_slots
+
+    def read_fence(self, slot: int) -> torch.cuda.Event | None:
+        """For a slot write: the event after which no launched step reads `slot` (None: wait
+        for everything issued; always on a CPU)."""
+        return None if self.read_fences is None else self.read_fences.fence(slot)
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += this step's adapter deltas of `projection` in `layer` (x its input rows)."""

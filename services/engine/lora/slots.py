@@ -17,7 +17,7 @@ output columns, with no sum across lanes per output.
 A write is either in order with the model's work (`write(slot, weights)`: on the current stream,
 what tests and benchmarks that use the slot at once want), or, on a GPU, off it
 (`write(..., asynchronous=True)`): the copies run on a side stream while steps go on, after
-everything already issued (a step still reading the slot's last adapter finishes first), and
+the last launched step that reads the slot's old adapter (or everything already issued), and
 the returned `SlotWrite` says when the slot may be used. The engine uses the second, so a swap
 costs the step stream nothing.
 """
@@ -114,11 +114,19 @@ class LoRASlots:
         return sum(t.nbytes for t in (*self.a_stacks.values(), *self.b_stacks.values()))
 
     def write(
-        self, slot: int, weights: AdapterWeights, *, asynchronous: bool = False
+        self,
+        slot: int,
+        weights: AdapterWeights,
+        *,
+        asynchronous: bool = False,
+        after: torch.cuda.Event | None = None,
     ) -> SlotWrite | None:
         """Put `weights` in `slot`, replacing whatever was there. `asynchronous` on a GPU: the
         copies go on a side stream and the slot may be used once the returned write is done;
-        otherwise (and always on a CPU) in order with the current stream, and None."""
+        they start after `after` (the last step that reads the slot's old adapter: see
+        services/engine/lora/read_fences.py) or, without it, after everything issued on the
+        current stream. Otherwise (and always on a CPU) in order with the current stream, and
+        None."""
         self._check(slot, weights)
         if not asynchronous or self.device.type != "cuda":
             self._write(slot, weights)
@@ -126,7 +134,10 @@ class LoRASlots:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
             self._write(slot, weights)
             event = torch.cuda.Event()
@@ -159,7 +170,7 @@ class LoRASlots:
                     if old_rank:
                         self._zero(name, slot, 0, old_rank)
                         self.ranks[name][slot] = 0
-                        self.rank_tensors[name][slot] = 0
+                        self._set_rank_tensor(name, slot, 0)
                     continue
                 self.a_stacks[name][:, slot, :, :rank].copy_(stacked.a, non_blocking=True)
                 self.b_stacks[name][:, slot, :, :rank].copy_(stacked.b, non_blocking=True)
@@ -169,8 +180,14 @@ class LoRASlots:
                     self._zero(name, slot, rank, old_rank)
         for name in weights.projections():
             self.ranks[name][slot] = rank
-            self.rank_tensors[name][slot] = rank
+            self._set_rank_tensor(name, slot, rank)
         self.names[slot] = weights.name
+
+    def _set_rank_tensor(self, name: str, slot: int, rank: int) -> None:
+        """The device copy of a slot's rank, as a fill on the current stream: an item assignment
+        (`tensor[slot] = rank`) would copy the number from the host and wait for the stream,
+        i.e. block the engine's thread until the write's fence (the step in flight) passes."""
+        self.rank_tensors[name][slot : slot + 1].fill_(rank)
 
     def _zero(self, name: str, slot: int, low: int, high: int) -> None:
         """Zero ranks low..high of `slot` in every layer of projection `name`."""
@@ -185,5 +202,5 @@ class LoRASlots:
             if self.ranks[name][slot]:
                 self._zero(name, slot, 0, self.ranks[name][slot])
                 self.ranks[name][slot] = 0
-                self.rank_tensors[name][slot] = 0
+                self._set_rank_tensor(name, slot, 0)
         self.names[slot] = None

@@ -325,11 +325,18 @@ class LoRARuntime:
         low, high = min(batch.slots), max(batch.slots) + 1
         if (high - low) * group_size > GROUPED_MAX_PADDING * len(rows):
             return None
-        device = self.slots.device
         return (
-            torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(padded_index, dtype=torch.long, device=device),
+            self._index_tensor(rows),
+            self._index_tensor(padded_index),
             group_size,
             low,
             high,
         )
+
+    def _index_tensor(self, values: list[int]) -> torch.Tensor:
+        """int64 `values` on the slots' device; on a GPU through pinned memory without waiting
+        (a pageable copy would wait for the step in flight)."""
+        tensor = torch.tensor(values, dtype=torch.long)
+        if self.slots.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.slots.device, non_blocking=True)

@@ -275,8 +275,10 @@ class CudaFastPath:
             fed = previous_ids[source.clamp(min=0)]
             buffers.input_ids[:count] = torch.where(source >= 0, fed, buffers.input_ids[:count])
         buffers.seq_lens[:count] = buffers.positions[:count].int() + 1
-        buffers.seq_lens[count:bucket] = 0
-        buffers.positions[count:bucket] = 0
+        # Zeroed on the device: assigning a Python number copies it from the host and waits
+        # for the stream, i.e. for the step in flight.
+        buffers.seq_lens[count:bucket].zero_()
+        buffers.positions[count:bucket].zero_()
         self.graphs.replay(count)
         return buffers.logits[:count], buffers.next_tokens[:count]
 

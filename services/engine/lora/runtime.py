@@ -44,9 +44,9 @@ GROUPED_MAX_PADDING = 4
 # triton: a run of at least this many rows of one adapter goes through cuBLAS (add_lora).
 LONG_SEGMENT_ROWS = 1024
 # triton on a GPU: steps of at most this many rows run the shrink on a side stream beside the
-# base matmul (project). Measured on an H100 (8B shapes, CUDA graphs): 64 rows of one adapter
-# 0.75 ms of LoRA a step instead of 0.93; 256 rows of 16 adapters, whose matmuls fill the GPU,
-# 2.42 ms instead of 2.13.
+# base matmul (project): at 64 rows of one adapter, 8B shapes on an H100, 0.77 ms of LoRA a step
+# instead of 0.98 (benchmarks/lora_kernel_ab.py); at 256 rows, whose matmuls fill the GPU, it
+# measured slower than after the matmul.
 SIDE_SHRINK_MAX_ROWS = 64
 
 

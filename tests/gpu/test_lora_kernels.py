@@ -120,7 +120,7 @@ def check_against_torch(
             runtime.apply(layer, projection, x, ours)
             torch.testing.assert_close(ours.float(), expected, atol=tolerance, rtol=tolerance)
             assert torch.equal(ours[base_rows], y[base_rows]), projection
-            # The same through project: on a GPU the shrink beside the "base matmul" (a copy).
+            # The same through project (eager: as apply; its side stream is for graph capture).
             projected = runtime.project(layer, projection, x, lambda _, y=y: y.clone())
             torch.testing.assert_close(projected.float(), expected, atol=tolerance, rtol=tolerance)
             assert torch.equal(projected[base_rows], y[base_rows]), projection

@@ -3,15 +3,16 @@
 The runner calls `set_batch` before each forward with the step's LoRABatch; every LoRA-capable
 projection then runs through `project(layer, projection, x, base)`
 (services/engine/lora/wrap.py): its base matmul, and the adapters' deltas added to the output in
-place (`apply(layer, projection, x, y)` adds them to a y already computed). In small steps on a
-GPU the triton shrink runs on a side stream beside the base matmul. `torch` computes the deltas
-per segment (the CPU path; eager on a GPU too). `triton` runs the shrink/expand kernels over
-tiles of rows grouped by slot; the tiles live in one fixed device buffer that `set_batch`
-overwrites (one pinned copy a step), so a captured CUDA graph reads each step's adapter mix
-without recapture. A step with no adapter rows does no LoRA work at all (the runner replays
-graphs captured without the kernels). On a CPU with the native kernels (`cpu_kernels`, set by
-the CPU runner), the torch path's per-segment matmuls become one native call per projection for
-all of the step's adapter rows: their dispatch, not their arithmetic, was most of the cost.
+place (`apply(layer, projection, x, y)` adds them to a y already computed). In small decode
+graphs on a GPU the triton shrink runs on a side stream beside the base matmul. `torch` computes
+the deltas per segment (the CPU path; eager on a GPU too). `triton` runs the shrink/expand
+kernels over tiles of rows grouped by slot; the tiles live in one fixed device buffer that
+`set_batch` overwrites (one pinned copy a step), so a captured CUDA graph reads each step's
+adapter mix without recapture. A step with no adapter rows does no LoRA work at all (the runner
+replays graphs captured without the kernels). On a CPU with the native kernels (`cpu_kernels`,
+set by the CPU runner), the torch path's per-segment matmuls become one native call per
+projection for all of the step's adapter rows: their dispatch, not their arithmetic, was most of
+the cost.
 
 Long runs of one adapter's rows (a prompt's chunk: `long_segment_rows` and more) take the
 per-segment torch path on the triton runtime too: its shrink and expand are two cuBLAS
@@ -43,8 +44,8 @@ GROUPED_MIN_SEGMENTS = 4
 GROUPED_MAX_PADDING = 4
 # triton: a run of at least this many rows of one adapter goes through cuBLAS (add_lora).
 LONG_SEGMENT_ROWS = 1024
-# triton on a GPU: steps of at most this many rows run the shrink on a side stream beside the
-# base matmul (project): at 64 rows of one adapter, 8B shapes on an H100, 0.77 ms of LoRA a step
+# triton on a GPU: CUDA graphs of at most this many rows run the shrink on a side stream beside
+# the base matmul (project): at 64 rows of one adapter, 8B shapes on an H100, 0.77 ms of LoRA a step
 # instead of 0.98 (benchmarks/lora_kernel_ab.py); at 256 rows, whose matmuls fill the GPU, it
 # measured slower than after the matmul.
 SIDE_SHRINK_MAX_ROWS = 64
@@ -224,14 +225,16 @@ class LoRARuntime:
     ) -> torch.Tensor:
         """base(x) plus this step's adapter deltas of `projection` in `layer`.
 
-        On the kernels' path in steps of at most SIDE_SHRINK_MAX_ROWS rows on a GPU (small
-        decode batches, their CUDA graphs too), the shrink needs only x, so it runs on a side
-        stream beside the base matmul (on SMs the matmul of a few rows leaves idle) and the
-        expand adds into the matmul's output once both are done: the shrink's latency leaves
-        the step's critical path. Otherwise as apply."""
+        While a CUDA graph of at most SIDE_SHRINK_MAX_ROWS rows is captured on the kernels'
+        path (small decode batches), the shrink needs only x, so it runs on a side stream beside
+        the base matmul (on SMs the matmul of a few rows leaves idle) and the expand adds into
+        the matmul's output once both are done: the shrink's latency leaves the step's critical
+        path, at no host cost when the graph replays. Otherwise (eager steps too, whose launches
+        the fork and join would only lengthen) as apply."""
         bound = self._kernel_bound() if self._side_stream is not None else 0
         if (
             not bound
+            or not torch.cuda.is_current_stream_capturing()
             or (self.batch.is_empty and not self.launch_always)
             or x.shape[0] > min(self.side_shrink_max_rows, self.max_rows)
             or not self._long.is_empty

@@ -2,11 +2,11 @@
 
 A slot write runs on a side stream and must not start before every launched step that reads the
 slot's old adapter has ended. Waiting for everything issued on the step stream is always safe,
-but it makes the write's host-to-device copy start exactly when the step in flight ends: when
-the next step's own small input copies start too, and the copy engine serves the write's 80-odd
-MB first, the next step waits for them with the GPU idle. Mostly, though, the slot being
-written was last read steps ago (its adapter's sequences ended or were paused for a turn), and
-the copy can start at once, during the step in flight.
+but it makes the write's host-to-device copy (80-odd MB for an 8B model's rank-16 adapter)
+start exactly when the step in flight ends, when the next step's own small input copies start
+too and may queue behind it on a copy engine. Mostly, though, the slot being written was last
+read steps ago (its adapter's sequences ended or were paused for a turn), and the copy can
+start at once, during the step in flight.
 
 `begin_step(slots)` (the LoRA runtime, before each step is launched) records an event on the
 step stream, which completes when every step before this one has ended, and notes the slots

@@ -235,7 +235,6 @@ class LoRARuntime:
         if (
             not bound
             or not torch.cuda.is_current_stream_capturing()
-            or (self.batch.is_empty and not self.launch_always)
             or x.shape[0] > min(self.side_shrink_max_rows, self.max_rows)
             or not self._long.is_empty
         ):

@@ -108,8 +108,22 @@ def _hooked(hook: Any) -> bool:
 def pdl_prologue(USE_PDL: tl.constexpr):
     """The first statement of every kernel: with PDL, wait for the kernel before this one
     (its writes visible), then allow the next one to launch."""
+    pdl_wait(USE_PDL)
+    pdl_launch_next(USE_PDL)
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """With PDL, wait until the kernel before this one has ended and its writes are visible
+    (again later in a kernel: returns at once)."""
     if USE_PDL:
         gdc_wait()
+
+
+@triton.jit
+def pdl_launch_next(USE_PDL: tl.constexpr):
+    """With PDL, let the next kernel launch (it still waits for this one to end)."""
+    if USE_PDL:
         gdc_launch_dependents()
 
 

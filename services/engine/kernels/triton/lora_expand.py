@@ -20,9 +20,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from services.engine.kernels.triton.launch import CachedLaunch, pdl_options
+from services.engine.kernels.triton.launch import (
+    CachedLaunch,
+    pdl_launch_next,
+    pdl_options,
+    pdl_wait,
+)
 from services.engine.kernels.triton.lora_shrink import persistent_grid, pow2_at_least
 
 BLOCK_N = 256
@@ -74,8 +78,8 @@ def _lora_expand_kernel(
     SUB_BLOCKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # the next kernel may launch; it waits for this one to end (launch.py)
-        gdc_launch_dependents()
+    # the next kernel may launch; it waits for this one to end (launch.py)
+    pdl_launch_next(USE_PDL)
     num_items = tl.load(tiles_ptr) * num_blocks
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -104,15 +108,14 @@ def _lora_expand_kernel(
             mask_n = offs_n < end
             b_mask = mask_n[None, :] & mask_r[:, None]
             b_tile = tl.load(b_base + offs_n[None, :] * stride_bo, mask=b_mask, other=0.0)
-            if USE_PDL:  # u is the shrink's (the kernel before), y the base matmul's
-                gdc_wait()
+            # u is the shrink's (the kernel before), y the base matmul's
+            pdl_wait(USE_PDL)
             if rank > 0:
                 u = tl.load(u_ptrs, mask=u_mask, other=0.0)
                 y_mask = mask_m[:, None] & mask_n[None, :]
                 _add_block(u, b_tile, y_base + offs_n[None, :], y_mask, IEEE)
         else:  # prefill-sized: SUB_BLOCKS blocks a work item, u read once, loads pipelined
-            if USE_PDL:
-                gdc_wait()
+            pdl_wait(USE_PDL)
             if rank > 0:
                 u = tl.load(u_ptrs, mask=u_mask, other=0.0)
                 for sub in range(SUB_BLOCKS):
@@ -123,8 +126,8 @@ def _lora_expand_kernel(
                     y_mask = mask_m[:, None] & mask_n[None, :]
                     _add_block(u, b_tile, y_base + offs_n[None, :], y_mask, IEEE)
         item += tl.num_programs(0)
-    if USE_PDL:  # never end before the kernel before this one (programs without items too)
-        gdc_wait()
+    # never end before the kernel before this one (programs without items too)
+    pdl_wait(USE_PDL)
 
 
 _launch_expand = CachedLaunch(_lora_expand_kernel)

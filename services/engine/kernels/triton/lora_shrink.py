@@ -23,9 +23,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from services.engine.kernels.triton.launch import CachedLaunch, pdl_options
+from services.engine.kernels.triton.launch import (
+    CachedLaunch,
+    pdl_launch_next,
+    pdl_options,
+    pdl_wait,
+)
 
 # Programs per SM of the persistent grids (shrink and expand).
 PROGRAMS_PER_SM = 8
@@ -61,8 +65,8 @@ def _lora_shrink_kernel(
     BLOCK_Z: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # the next kernel may launch; it waits for this one to end (launch.py)
-        gdc_launch_dependents()
+    # the next kernel may launch; it waits for this one to end (launch.py)
+    pdl_launch_next(USE_PDL)
     num_items = tl.load(tiles_ptr) * SPLIT_K
     offs_j = tl.arange(0, BLOCK_J)  # slice * MAX_RANK + rank index
     offs_m = tl.arange(0, BLOCK_M)
@@ -76,8 +80,8 @@ def _lora_shrink_kernel(
         count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
         mask_m = offs_m < count
         rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
-        if USE_PDL:  # the layout above is read before the wait; x, u and zero only after it
-            gdc_wait()
+        # the layout above is read before the wait; x, u and zero only after it
+        pdl_wait(USE_PDL)
         u_offsets = rows[:, None] * stride_um + offs_j[None, :]
         u_mask = mask_m[:, None] & (offs_j < WIDTH)[None, :]
         if split == 0:  # the next projection's u starts from zero in these rows
@@ -115,8 +119,8 @@ def _lora_shrink_kernel(
             else:
                 tl.atomic_add(u_ptr + u_offsets, acc, mask=u_mask)
         item += tl.num_programs(0)
-    if USE_PDL:  # never end before the kernel before this one (programs without items too)
-        gdc_wait()
+    # never end before the kernel before this one (programs without items too)
+    pdl_wait(USE_PDL)
 
 
 _launch_shrink = CachedLaunch(_lora_shrink_kernel)

@@ -51,7 +51,14 @@ WARM_STEPS = 16
 
 
 # ---- (b) tensor-parallel decode step, in a child process ------------------------------------
-def run_decode_child(model: str, tensor_parallel_size: int, custom: bool, out: Path) -> None:
+SUMS = {  # how a TP run sums: (custom_all_reduce, fuse_sum_norm)
+    "fused": (True, True),
+    "one-shot": (True, False),
+    "nccl": (False, False),
+}
+
+
+def run_decode_child(model: str, tensor_parallel_size: int, sums: str, out: Path) -> None:
     """Median bs=1 decode step of `model` at `tensor_parallel_size`; JSON to `out`.
 
     Beside the step's wall time: the GPU time of rank 0's graph replay (CUDA events around
@@ -72,7 +79,8 @@ def run_decode_child(model: str, tensor_parallel_size: int, custom: bool, out: P
             model=model,
             device="cuda",
             tensor_parallel_size=tensor_parallel_size,
-            custom_all_reduce=custom,
+            custom_all_reduce=SUMS[sums][0],
+            fuse_sum_norm=SUMS[sums][1],
         )
     )
     result["engine_build_s"] = round(time.perf_counter() - started, 1)
@@ -162,16 +170,22 @@ def timed_decode(runner: Any, gpu_ms: list[float], send_ms: list[float]) -> None
 
 
 def tensor_parallel_decode(args: argparse.Namespace, report: dict[str, Any], save) -> None:
-    """TP=1, TP=2, and TP=2 with NCCL for every sum, each in its own child process."""
-    runs = {"tp1": (1, True), "tp2": (2, True), "tp2_nccl": (2, False)}
+    """TP=1; TP=2 (decode sums fused with their norms); TP=2 with a one-shot all-reduce, then
+    the norm; TP=2 with NCCL for every sum: each in its own child process."""
+    runs = {
+        "tp1": (1, "fused"),
+        "tp2": (2, "fused"),
+        "tp2_one_shot": (2, "one-shot"),
+        "tp2_nccl": (2, "nccl"),
+    }
     results: dict[str, dict[str, Any]] = {}
     section: dict[str, Any] = {"date": _now(), "command": report["command"]}
     report["tensor_parallel"] = section
-    for name, (size, custom) in runs.items():
+    for name, (size, sums) in runs.items():
         out = Path(tempfile.mkdtemp(prefix="multi-gpu-tp-")) / "decode.json"
         command = [sys.executable, "-m", "benchmarks.multi_gpu", "--tp-model", args.tp_model]
         command += ["--decode-child", str(size), "--child-out", str(out)]
-        command += [] if custom else ["--child-nccl"]
+        command += ["--child-sums", sums]
         started = time.perf_counter()
         try:
             status = subprocess.run(command, timeout=args.tp_timeout_s).returncode
@@ -183,7 +197,7 @@ def tensor_parallel_decode(args: argparse.Namespace, report: dict[str, Any], sav
         save()
     one = results["tp1"].get("decode_step_p50_ms")
     one_tpot = results["tp1"].get("tpot_ms")
-    for name in ("tp2", "tp2_nccl"):
+    for name in ("tp2", "tp2_one_shot", "tp2_nccl"):
         two = results[name].get("decode_step_p50_ms")
         if one and two:
             section[f"{name}_over_tp1_decode_step"] = round(two / one, 3)
@@ -192,14 +206,21 @@ def tensor_parallel_decode(args: argparse.Namespace, report: dict[str, Any], sav
             section[f"{name}_over_tp1_tpot"] = round(two_tpot / one_tpot, 3)
         reference, ours = results["tp1"].get("tokens"), results[name].get("tokens")
         if reference and ours:
-            pairs = enumerate(zip(reference, ours, strict=False))
-            same = next((i for i, (a, b) in pairs if a != b), min(len(reference), len(ours)))
-            section[f"{name}_greedy_tokens_equal_to_tp1"] = same
+            section[f"{name}_greedy_tokens_equal_to_tp1"] = _common_prefix(reference, ours)
+    fused, unfused = results["tp2"].get("tokens"), results["tp2_one_shot"].get("tokens")
+    if fused and unfused:  # the fused kernel rounds as the all-reduce + norm do: same tokens
+        section["tp2_greedy_tokens_equal_to_tp2_one_shot"] = _common_prefix(fused, unfused)
     for result in results.values():  # compared: the token lists need not stay in the report
         result.pop("tokens", None)
     report["tp2_over_tp1_decode_step"] = section.get("tp2_over_tp1_decode_step")
     report["tp2_over_tp1_tpot"] = section.get("tp2_over_tp1_tpot")
     save()
+
+
+def _common_prefix(first: list[int], second: list[int]) -> int:
+    """How many leading tokens two greedy runs share."""
+    pairs = enumerate(zip(first, second, strict=False))
+    return next((i for i, (a, b) in pairs if a != b), min(len(first), len(second)))
 
 
 # ---- (a) data parallel through one router -------------------------------------------------
@@ -339,10 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--decode-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--child-nccl", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child-sums", choices=sorted(SUMS), default="fused", help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.decode_child is not None:
-        run_decode_child(args.tp_model, args.decode_child, not args.child_nccl, args.child_out)
+        run_decode_child(args.tp_model, args.decode_child, args.child_sums, args.child_out)
         os._exit(0)  # past the group's teardown: nothing of this child is needed any more
     import torch
 

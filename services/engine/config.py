@@ -88,6 +88,13 @@ class EngineConfig:
         "for larger ones; set up only where every GPU reaches its peers and a check sum is "
         "exact, else NCCL throughout (the engine log says why); off = NCCL throughout",
     )
+    fuse_sum_norm: bool = field(
+        True,
+        help="with custom_all_reduce: sum each decode step's o_proj and down_proj outputs (up to "
+        "64 rows) in the kernel of the residual add and RMSNorm that follow, peers' rows pushed "
+        "over peer-to-peer stores; set up only where every GPU can and a check is exact; off = "
+        "an all-reduce, then the norm",
+    )
     warm_up: bool = field(
         True,
         help="before reporting SERVING, run every step shape once (prefill sizes, every "

@@ -4,7 +4,8 @@ The reduced 70B shape (dummy:llama-3-70b-4l: the 70B layer, 4 layers) fits one G
 TP=2 run the same weights, in float32, where only the order of the partial sums differs: logits
 agree to float32 rounding and greedy tokens are equal (in bfloat16 a near-tie of a random model
 flips on rounding alone; benchmarks/multi_gpu.py reports how far bf16 greedy runs agree). Decode
-sums go through the one-shot all-reduce over symmetric memory, prefill sums through NCCL.
+sums go through the kernel that fuses them with the residual add and RMSNorm (rows pushed to the
+peer over symmetric memory), prefill sums through NCCL.
 test_tensor_parallel_70b.py serves the full 70B shape (run it in a pytest process of its own).
 """
 
@@ -62,7 +63,9 @@ def test_tp2_holds_half_the_heads_and_graphs_with_the_all_reduce(reduced_70b_pai
     assert runner.fast is not None, runner.fast_path_off_reason
     assert runner.capabilities.graph_batch_sizes  # decode graphs captured, collectives inside
     assert runner.tensor_parallel.custom is not None, runner.tensor_parallel.custom_off_reason
+    assert runner.tensor_parallel.fused is not None, runner.tensor_parallel.fused_off_reason
     assert "one-shot all-reduce" in pair.info.execution_path
+    assert "fused with the residual add and RMSNorm" in pair.info.execution_path
 
 
 def test_tp2_greedy_tokens_equal_tp1_on_the_reduced_70b_shape(reduced_70b_pair) -> None:

@@ -35,12 +35,14 @@ from torch import nn
 from services.common.errors import FailedPreconditionError
 from services.engine.layers.attention_metadata import AttentionMetadata
 from services.engine.models.config import ModelConfig
-from services.engine.parallel import symmetric
+from services.engine.parallel import sum_norm, symmetric
 from services.engine.parallel.channel import StepChannel
 from services.engine.parallel.sharding import ShardLayout
+from services.engine.parallel.sum_norm import FusedSumNorm
 from services.engine.parallel.symmetric import SymmetricAllReduce
 from services.engine.parallel.weights import (
     build_sharded_model,
+    defer_row_sums,
     local_model_config,
     shard_layout,
     shard_lm_head,
@@ -123,6 +125,23 @@ class TensorParallelGroup:
             logger.warning("tensor-parallel group not left after %.0f s", LEAVE_TIMEOUT_S)
 
 
+class RankInputSum:
+    """A norm's unsummed input on one rank (layers/norm.py InputSum): `turn` is that of the
+    projection whose sum it finishes."""
+
+    def __init__(self, rank: TensorParallelRank, turn: int) -> None:
+        self.rank = rank
+        self.turn = turn
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rank.all_reduce(x, self.turn)
+
+    def sum_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.rank.fused_sum_norm(x, residual, weight, eps, self.turn)
+
+
 @dataclass
 class StepMessage:
     """One flat step: what BaseModelRunner's forward takes."""
@@ -152,6 +171,7 @@ class TensorParallelRank:
         *,
         stopping: threading.Event | None = None,
         custom_all_reduce: bool = True,
+        fuse_sum_norm: bool = True,
     ) -> None:
         self.group = group
         self.channel = channel
@@ -159,6 +179,10 @@ class TensorParallelRank:
         self.want_custom_all_reduce = custom_all_reduce
         self.custom: SymmetricAllReduce | None = None
         self.custom_off_reason: str | None = "not set up"
+        # Decode sums fused with the norm that reads them (parallel/sum_norm.py).
+        self.want_fused_sum_norm = custom_all_reduce and fuse_sum_norm
+        self.fused: FusedSumNorm | None = None
+        self.fused_off_reason: str | None = "not set up"
         # Set when rank 0 stops the group: its rank processes may end from then on.
         self.stopping = stopping or threading.Event()
         self.rank = group.rank
@@ -195,8 +219,10 @@ class TensorParallelRank:
             all_reduce=self.all_reduce,
         )
         shard_lm_head(model, self.layout, self.group.all_gather)
+        defer_row_sums(model, lambda turn: RankInputSum(self, turn))
         if device.type == "cuda":
             self.enable_custom_all_reduce(dtype)
+            self.enable_fused_sum_norm(dtype, config.hidden_size)
         return model
 
     def enable_custom_all_reduce(self, dtype: torch.dtype) -> None:
@@ -216,13 +242,37 @@ class TensorParallelRank:
         if self.custom_off_reason is not None:
             logger.warning("tensor parallel: all-reduces on NCCL (%s)", self.custom_off_reason)
 
+    def enable_fused_sum_norm(self, dtype: torch.dtype, hidden_size: int) -> None:
+        """Set up the decode sums fused with their norms on every rank, or leave them on the
+        all-reduce with the reason; collective, every rank after building its model."""
+        if not self.want_fused_sum_norm:
+            self.fused, self.fused_off_reason = None, "turned off"
+            return
+        self.fused, self.fused_off_reason = sum_norm.enable(
+            group_name=dist.group.WORLD.group_name,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.group.device,
+            dtype=dtype,
+            hidden_size=hidden_size,
+            agree=self.group.min_int,
+        )
+        if self.fused_off_reason is not None:
+            logger.warning("tensor parallel: decode sums not fused (%s)", self.fused_off_reason)
+
     @property
     def all_reduce_path(self) -> str:
         """How the row-parallel sums run, in words."""
+        fused = ""
+        if self.fused is not None:
+            fused = (
+                f"sums of up to {self.fused.max_rows} rows fused with the residual add and "
+                "RMSNorm (peer-to-peer stores), "
+            )
         if self.custom is not None:
             limit = self.custom.max_bytes >> 10
-            return f"one-shot all-reduce over symmetric memory up to {limit} KiB, NCCL above"
-        return f"{backend_for(self.group.device)} all-reduce"
+            return f"{fused}one-shot all-reduce over symmetric memory up to {limit} KiB, NCCL above"
+        return f"{fused}{backend_for(self.group.device)} all-reduce"
 
     def all_reduce(self, tensor: torch.Tensor, turn: int = 0) -> torch.Tensor:
         """The sum of `tensor` over the ranks (RowParallel's; `turn`: see there)."""
@@ -230,6 +280,21 @@ class TensorParallelRank:
         if custom is not None and custom.fits(tensor):
             return custom(tensor, turn)
         return self.group.all_reduce(tensor)
+
+    def fused_sum_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        turn: int,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sum of `x` over the ranks, the residual add and the norm in one kernel; None
+        where it is not set up or `x` does not fit."""
+        fused = self.fused
+        if fused is None or not fused.fits(x):
+            return None
+        return fused(x, residual, weight, eps, turn)
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The KV block count every rank can hold (rank 0's block manager uses this many)."""
@@ -345,7 +410,8 @@ class TensorParallelRank:
         self.before_leaving = []
         if self.group.device.type == "cuda":
             torch.cuda.synchronize(self.group.device)
-        self.custom = None  # the symmetric buffers go before the group they were mapped over
+        # The symmetric buffers go before the group they were mapped over.
+        self.custom = self.fused = None
         self.group.close()
         for process in self.followers:
             try:

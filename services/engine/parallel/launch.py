@@ -125,7 +125,11 @@ def create_parallel_runner(config: EngineConfig, model_files: ModelFiles) -> Bas
         )
         channel.unlink()  # every rank has mapped it before joining the group
         tensor_parallel = TensorParallelRank(
-            group, channel, stopping=stopping, custom_all_reduce=config.custom_all_reduce
+            group,
+            channel,
+            stopping=stopping,
+            custom_all_reduce=config.custom_all_reduce,
+            fuse_sum_norm=config.fuse_sum_norm,
         )
         tensor_parallel.followers = followers
         runner = build_rank_runner(config, model_files, tensor_parallel)

@@ -98,7 +98,12 @@ def main(argv: list[str] | None = None) -> None:
         init_method=args.init_method,
         device=torch.device(rank_device(config, args.rank)),
     )
-    tensor_parallel = TensorParallelRank(group, channel, custom_all_reduce=config.custom_all_reduce)
+    tensor_parallel = TensorParallelRank(
+        group,
+        channel,
+        custom_all_reduce=config.custom_all_reduce,
+        fuse_sum_norm=config.fuse_sum_norm,
+    )
     runner = build_rank_runner(config, files, tensor_parallel)
     freeze_startup_heap()  # the model and imports: never walked by a collection again
     steps = serve_steps(runner, tensor_parallel)

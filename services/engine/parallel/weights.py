@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from services.common.errors import FailedPreconditionError
+from services.engine.layers.norm import InputSum, RMSNorm
 from services.engine.loader.weights import DUMMY_STD, iterate_safetensors
 from services.engine.models.config import ModelConfig
 from services.engine.models.registry import model_class
@@ -107,7 +108,8 @@ class RowParallel(nn.Module):
     """A row-parallel projection: this rank's partial product, then the sum over all ranks.
 
     `turn` (0 for o_proj, 1 for down_proj: the sums of a forward alternate) lets an all-reduce
-    that stages through its own buffers use them in turn.
+    that stages through its own buffers use them in turn. `deferred`: the partial product is
+    returned unsummed, for the norm that reads it to sum (`defer_row_sums`).
     """
 
     def __init__(self, inner: nn.Module, all_reduce: AllReduce, turn: int = 0):
@@ -115,9 +117,34 @@ class RowParallel(nn.Module):
         self.inner = inner
         self.all_reduce = all_reduce
         self.turn = turn
+        self.deferred = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(self.inner(x), self.turn)
+        partial = self.inner(x)
+        return partial if self.deferred else self.all_reduce(partial, self.turn)
+
+
+def defer_row_sums(model: nn.Module, input_sum: Callable[[int], InputSum]) -> int:
+    """Leave each row-parallel sum to the norm that reads it: a decoder layer's o_proj to its
+    post-attention norm, its down_proj to the next layer's input norm (the last one's to the
+    final norm), each norm given `input_sum(turn)`. Returns how many sums were deferred (0 where
+    the model is not laid out so)."""
+    decoder = getattr(model, "model", None)
+    layers = list(getattr(decoder, "layers", []))
+    pairs = []
+    for index, layer in enumerate(layers):
+        following = layers[index + 1].input_layernorm if index + 1 < len(layers) else decoder.norm
+        pairs.append((layer.self_attn.o_proj, layer.post_attention_layernorm))
+        pairs.append((layer.mlp.down_proj, following))
+    if not all(
+        isinstance(projection, RowParallel) and isinstance(norm, RMSNorm)
+        for projection, norm in pairs
+    ):
+        return 0
+    for projection, norm in pairs:
+        projection.deferred = True
+        norm.input_sum = input_sum(projection.turn)
+    return len(pairs)
 
 
 def wrap_row_parallel(model: nn.Module, all_reduce: AllReduce) -> int:

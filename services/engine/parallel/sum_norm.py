@@ -1,11 +1,12 @@
 """Set-up of the fused sum + residual add + RMSNorm (kernels/triton/sum_norm.py) for one rank.
 
-Each rank allocates its receive buffer and flags in CUDA symmetric memory (mapped into every
-peer's address space by `rendezvous`; peer-to-peer only, no NVLink multicast), zeroes its flags
-and gives the kernel a table of every rank's addresses as this GPU sees them. `enable` builds
-it only where every rank can, compiles the kernel before any rank launches it (a rank that
-cannot compile must not leave its peers waiting), checks one eager and one graph-replayed sum
-against the expected values, and otherwise leaves the sums on the all-reduce with the reason.
+Each rank allocates its receive buffer in CUDA symmetric memory (mapped into every peer's
+address space by `rendezvous`; peer-to-peer only, no NVLink multicast), marks every slot empty
+(-0.0) and gives the kernel a table of every rank's buffer address as this GPU sees it.
+`enable` builds it only where every rank can, compiles the kernel before any rank launches it
+(a rank that cannot compile must not leave its peers waiting), checks one eager and one
+graph-replayed sum against the expected values, and otherwise leaves the sums on the all-reduce
+with the reason.
 Every step is agreed on by all ranks, so they all take the same decision.
 """
 
@@ -37,15 +38,17 @@ class FusedSumNorm:
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        from services.engine.kernels.triton.sum_norm import empty_mark
+
         self.rank, self.world_size = rank, world_size
         self.device, self.dtype = device, dtype
         self.hidden_size, self.max_rows = hidden_size, max_rows
         slots = TURNS * world_size * max_rows
         self.data = symm_mem.empty(slots * hidden_size, dtype=dtype, device=device)
-        self.flags = symm_mem.empty(slots, dtype=torch.int32, device=device)
-        self.flags.zero_()  # before any peer can raise one: the set-up agrees after this
+        bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+        # Every slot empty before any peer can store into it: the set-up agrees after this.
+        self.data.view(bits).fill_(empty_mark(dtype))
         self.data_ptrs = self._peer_table(symm_mem.rendezvous(self.data, group_name), self.data)
-        self.flag_ptrs = self._peer_table(symm_mem.rendezvous(self.flags, group_name), self.flags)
         torch.cuda.synchronize(device)
 
     def _peer_table(self, handle, local: torch.Tensor) -> torch.Tensor:
@@ -88,7 +91,6 @@ class FusedSumNorm:
             weight,
             eps,
             data_ptrs=self.data_ptrs,
-            flag_ptrs=self.flag_ptrs,
             rank=self.rank,
             world_size=self.world_size,
             turn=turn % TURNS,
@@ -100,15 +102,16 @@ class FusedSumNorm:
         import triton
 
         from services.engine.kernels.triton.launch import pdl_options
-        from services.engine.kernels.triton.sum_norm import _sum_norm_kernel
+        from services.engine.kernels.triton.sum_norm import _sum_norm_kernel, empty_mark
 
         x = torch.zeros((1, self.hidden_size), dtype=self.dtype, device=self.device)
         block = triton.next_power_of_2(self.hidden_size)
         for has_residual, turn in itertools.product((False, True), range(TURNS)):
             _sum_norm_kernel.warmup(
-                x, x, x[0], x, x, self.data_ptrs, self.flag_ptrs,
+                x, x, x[0], x, x, self.data_ptrs,
                 self.rank, turn, self.max_rows, self.hidden_size, 1e-5,
-                WORLD=self.world_size, HAS_RESIDUAL=has_residual, BLOCK=block,
+                EMPTY=empty_mark(self.dtype), WORLD=self.world_size,
+                HAS_RESIDUAL=has_residual, BLOCK=block,
                 num_warps=min(16, max(1, block // 256)), grid=(1,),
                 **pdl_options(self.device),
             )  # fmt: skip
@@ -194,7 +197,7 @@ def enable(
         fused.compile()
     except Exception as exc:  # noqa: BLE001 - any failure leaves the sums on the all-reduce
         reason = f"set-up failed: {type(exc).__name__}: {exc}"
-    if not agree(int(reason is None)):  # every rank's flags are zero and its kernel built
+    if not agree(int(reason is None)):  # every rank's slots are empty and its kernel built
         return None, reason or "another rank's set-up failed"
     try:
         reason = check(fused)  # type: ignore[arg-type]

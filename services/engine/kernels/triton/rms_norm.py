@@ -36,11 +36,18 @@ def _rms_norm_kernel(
         residual = tl.load(residual_ptr + row * hidden_size + offsets, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * hidden_size + offsets, x, mask=mask)
-    hidden = x.to(tl.float32)
-    variance = tl.sum(hidden * hidden, axis=0) / hidden_size
+    out_row = out_ptr + row * hidden_size
+    store_normed(out_row, weight_ptr, x.to(tl.float32), offsets, mask, hidden_size, eps)
+
+
+@triton.jit
+def store_normed(out_ptr, weight_ptr, values, offsets, mask, hidden_size, eps):
+    """Store one row's rms_norm(values) * weight (values float32, masked lanes 0; out_ptr at
+    the row); the arithmetic every fused norm kernel shares, so their results are the same."""
+    variance = tl.sum(values * values, axis=0) / hidden_size
     weight = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    normed = hidden * tl.rsqrt(variance + eps) * weight
-    tl.store(out_ptr + row * hidden_size + offsets, normed.to(out_ptr.dtype.element_ty), mask=mask)
+    normed = values * tl.rsqrt(variance + eps) * weight
+    tl.store(out_ptr + offsets, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(

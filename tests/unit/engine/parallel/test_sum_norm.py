@@ -3,8 +3,6 @@ decision, on CPU (the kernel runs on GPUs: tests/gpu/test_tensor_parallel.py).""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -14,8 +12,10 @@ from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.parallel import sum_norm
 from services.engine.parallel.weights import RowParallel, defer_row_sums, wrap_row_parallel
-from tests.unit.engine.parallel.test_symmetric import lone_rank  # noqa: F401 - fixture
-from tests.unit.engine.parallel.test_tensor_parallel_cpu import ThreadGroup
+from tests.unit.engine.parallel.test_symmetric import (
+    lone_rank,  # noqa: F401 - fixture
+    on_two_ranks,
+)
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -99,30 +99,20 @@ def test_the_expected_values_are_the_norm_of_the_rounded_sum():
 
 
 # ---- set-up: every rank takes the same decision ---------------------------------------------
-def enable_on_two_ranks(monkeypatch, **overrides) -> list:
+def enable_on_two_ranks(monkeypatch) -> list:
     monkeypatch.setattr(sum_norm.symmetric, "use_cuda_backend", lambda: None)
     monkeypatch.setattr(sum_norm, "resident_rows", lambda device, rows: rows - device.index)
-    barrier, shared = threading.Barrier(2), {}
-    groups = [ThreadGroup(rank, 2, shared, barrier) for rank in (0, 1)]
-    results: list = [None, None]
-
-    def run(rank: int) -> None:
-        results[rank] = sum_norm.enable(
+    return on_two_ranks(
+        lambda rank, agree: sum_norm.enable(
             group_name="0",
             rank=rank,
             world_size=2,
             device=torch.device("cuda", rank),
             dtype=torch.bfloat16,
             hidden_size=16,
-            agree=groups[rank].min_int,
+            agree=agree,
         )
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    return results
+    )
 
 
 class Built:

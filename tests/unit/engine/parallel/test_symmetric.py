@@ -15,21 +15,14 @@ from services.engine.parallel.group import TensorParallelRank
 from tests.unit.engine.parallel.test_tensor_parallel_cpu import ThreadGroup
 
 
-def enable_on_two_ranks(**overrides) -> list[tuple[object, str | None]]:
-    """symmetric.enable on two threads agreeing through a shared minimum; each rank's result."""
+def on_two_ranks(call) -> list:
+    """`call(rank, agree)` on two threads agreeing through a shared minimum; each rank's result."""
     barrier, shared = threading.Barrier(2), {}
     groups = [ThreadGroup(rank, 2, shared, barrier) for rank in (0, 1)]
     results: list = [None, None]
 
     def run(rank: int) -> None:
-        results[rank] = symmetric.enable(
-            group_name="0",
-            rank=rank,
-            world_size=2,
-            device=torch.device("cuda", rank),
-            dtype=torch.bfloat16,
-            agree=groups[rank].min_int,
-        )
+        results[rank] = call(rank, groups[rank].min_int)
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
     for thread in threads:
@@ -37,6 +30,20 @@ def enable_on_two_ranks(**overrides) -> list[tuple[object, str | None]]:
     for thread in threads:
         thread.join(10)
     return results
+
+
+def enable_on_two_ranks() -> list[tuple[object, str | None]]:
+    """symmetric.enable on two ranks (threads); each rank's result."""
+    return on_two_ranks(
+        lambda rank, agree: symmetric.enable(
+            group_name="0",
+            rank=rank,
+            world_size=2,
+            device=torch.device("cuda", rank),
+            dtype=torch.bfloat16,
+            agree=agree,
+        )
+    )
 
 
 def test_a_cpu_device_has_no_symmetric_memory():

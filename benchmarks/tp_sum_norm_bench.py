@@ -23,6 +23,7 @@ from typing import Any
 
 CALLS = 64  # sums per graph: one decode step of a 32-layer model
 REPLAYS = 50
+WARPS = (2, 4, 8)
 CASES = [(4096, 1), (4096, 8), (4096, 64), (8192, 1), (8192, 64)]  # (hidden size, rows)
 
 
@@ -117,11 +118,25 @@ def run_case(rank: int, hidden: int, rows: int, one_shot, fused, device) -> dict
     def fused_call(turn: int) -> tuple[torch.Tensor, torch.Tensor]:
         return fused(x, residual, weight, eps, turn)
 
+    def fused_with(warps: int):
+        from services.engine.kernels.triton.sum_norm import sum_norm
+
+        def call(turn: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return sum_norm(
+                x, residual, weight, eps, data_ptrs=fused.data_ptrs, rank=fused.rank,
+                world_size=fused.world_size, turn=turn, max_rows=fused.max_rows,
+                num_warps=warps,
+            )  # fmt: skip
+
+        return call
+
     paths = {"nccl_then_norm": nccl_then_norm}
     if one_shot is not None:
         paths["one_shot_then_norm"] = one_shot_then_norm
     if fused is not None:
         paths["fused"] = fused_call
+        for warps in WARPS:  # the same kernel at other widths (the default: BLOCK / 256, <= 16)
+            paths[f"fused_{warps}_warps"] = fused_with(warps)
     results = {}
     for name, call in paths.items():
         case[f"{name}_us"], results[name] = time_path(call, device)

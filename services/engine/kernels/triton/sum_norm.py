@@ -111,6 +111,7 @@ def sum_norm(
     world_size: int,
     turn: int,
     max_rows: int,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum + residual) * weight, sum + residual), where sum is `x` summed over the
     ranks; every rank calls it with its partial `x` [rows, H], rows <= max_rows.
@@ -144,7 +145,7 @@ def sum_norm(
         WORLD=world_size,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        num_warps=min(16, max(1, block // 256)),
+        num_warps=num_warps or min(16, max(1, block // 256)),
         **pdl_options(x.device),
     )
     return out, residual_out

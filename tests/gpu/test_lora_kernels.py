@@ -124,6 +124,34 @@ def check_against_torch(
             projected = runtime.project(layer, projection, x, lambda _, y=y: y.clone())
             torch.testing.assert_close(projected.float(), expected, atol=tolerance, rtol=tolerance)
             assert torch.equal(projected[base_rows], y[base_rows]), projection
+            if long_segment_rows is None:
+                continue
+            # A plain x Wᵀ base: the long runs' deltas are written first and the base matmul
+            # adds onto them (never through the module's forward).
+            weight = torch.randn(spec.out_features, spec.in_features, generator=generator) / 8
+            base = PlainBase(weight.to(dtype).to(device))
+            projected = runtime.project(layer, projection, x, base)
+            expected = (x.float() @ base.weight.float().t()).to(dtype).float()
+            plain = expected.clone()
+            reference.apply(layer, projection, x.float(), expected)
+            torch.testing.assert_close(projected.float(), expected, atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(
+                projected[base_rows].float(), plain[base_rows], atol=tolerance, rtol=tolerance
+            )
+
+
+class PlainBase(torch.nn.Module):
+    """A base projection that says it is a plain x Wᵀ and must not be called."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def plain_weight(self, rows: int) -> torch.Tensor:
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the base matmul should have added onto the deltas")
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

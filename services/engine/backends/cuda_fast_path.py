@@ -71,6 +71,12 @@ class TunedLinear(nn.Module):
             return functional.linear(x, self.weight, self.bias)
         return skinny_matmul(x, self.weight, config)
 
+    def plain_weight(self, rows: int) -> torch.Tensor | None:
+        """The weight where `rows` rows take cuBLAS's plain x Wᵀ (no bias, no tuned choice):
+        a caller may then add x Wᵀ onto an output of its own (LoRARuntime.project)."""
+        tuned = self.active and rows in self.choices
+        return None if tuned or self.bias is not None else self.weight
+
 
 class CudaFastPath:
     """A LlamaForCausalLM on CUDA over its paged KV cache, with Triton kernels bound."""

@@ -16,9 +16,12 @@ the cost.
 
 Long runs of one adapter's rows (a prompt's chunk: `long_segment_rows` and more) take the
 per-segment torch path on the triton runtime too: its shrink and expand are two cuBLAS
-matmuls over contiguous rows, the expand adding into y in place, which moves the projection's
-output at about 1.5x the speed of the tile kernels there (2,048 and 8,192 rows). Only in steps
-wider than any captured CUDA graph (`graph_rows`): a graph replays the kernels alone.
+matmuls over contiguous rows, which moves the projection's output at about 1.5x the speed of
+the tile kernels there (2,048 and 8,192 rows). Only in steps wider than any captured CUDA graph
+(`graph_rows`): a graph replays the kernels alone. Where the base projection is a plain
+`x Wᵀ` at that size (`plain_weight`), `project` writes those runs' deltas first (the other
+rows zeroed) and the base matmul adds itself onto them (`addmm_`): the output is read once
+inside a compute-bound matmul instead of in a memory-bound pass of its own after it.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from services.engine.lora.batch import TILE_ROWS, LoRABatch, max_tiles
 from services.engine.lora.read_fences import SlotReadFences
 from services.engine.lora.slots import LoRASlots
-from services.engine.lora.torch_ops import add_lora, add_lora_grouped
+from services.engine.lora.torch_ops import add_lora, add_lora_grouped, write_lora
 
 if TYPE_CHECKING:  # the native CPU kernels are loaded by the CPU runner, when it has them
     from services.engine.kernels.cpu.cpu_native import CpuKernels
@@ -231,6 +235,14 @@ class LoRARuntime:
         the matmul's output once both are done: the shrink's latency leaves the step's critical
         path, at no host cost when the graph replays. Otherwise (eager steps too, whose launches
         the fork and join would only lengthen) as apply."""
+        weight = plain_weight(base, x) if not self._long.is_empty else None
+        if weight is not None and weight.dtype == self.slots.b[layer][projection].dtype:
+            y = self._base_onto_long_deltas(layer, projection, x, weight)
+            bound = self._kernel_bound()
+            if bound:
+                u = self._shrink_into(layer, projection, x, bound)
+                self._expand_into(layer, projection, u, y, bound)
+            return y
         bound = self._kernel_bound() if self._side_stream is not None else 0
         if (
             not bound
@@ -249,6 +261,35 @@ class LoRARuntime:
         main.wait_stream(side)
         self._expand_into(layer, projection, u, y, bound)
         return y
+
+    def _base_onto_long_deltas(
+        self, layer: int, projection: str, x: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """x Wᵀ plus the long runs' deltas: the deltas written first, the rows outside the
+        runs zeroed, then the base matmul added onto them."""
+        rows = x.shape[0]
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} rows, more than max_rows {self.max_rows}")
+        slots = self.slots
+        y = x.new_empty((rows, weight.shape[0]), dtype=weight.dtype)
+        runs = self._long
+        write_lora(
+            y,
+            x,
+            runs,
+            slots.a[layer][projection],
+            slots.b[layer][projection],
+            self._offsets[projection],
+            slots.ranks[projection],
+        )
+        covered = 0
+        for start, length in zip(runs.starts, runs.lengths, strict=True):
+            if start > covered:
+                y[covered:start].zero_()
+            covered = start + length
+        if covered < rows:
+            y[covered:].zero_()
+        return y.addmm_(x, weight.t())
 
     def _kernel_bound(self) -> int:
         """The kernels' grid: this step's tiles, or every tile there could be while a graph is
@@ -342,3 +383,22 @@ class LoRARuntime:
         if self.slots.device.type != "cuda":
             return tensor
         return tensor.pin_memory().to(self.slots.device, non_blocking=True)
+
+
+def plain_weight(
+    base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> torch.Tensor | None:
+    """The weight W of a base projection that computes a plain `x Wᵀ` for these rows (no bias,
+    x's dtype), which a matmul can add onto what y already holds; None for any other base.
+    A module says so with `plain_weight(rows)` (the CUDA fast path's TunedLinear); an
+    nn.Linear without bias is one."""
+    declared = getattr(base, "plain_weight", None)
+    if callable(declared):
+        weight = declared(x.shape[0])
+    elif type(base) is nn.Linear and base.bias is None:
+        weight = base.weight
+    else:
+        return None
+    if weight is None or weight.dtype != x.dtype or weight.dim() != 2:
+        return None
+    return weight if weight.shape[1] == x.shape[1] else None

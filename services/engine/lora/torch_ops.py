@@ -10,6 +10,9 @@ The CPU path (and the reference for the GPU kernels). Two ways, same result:
   step of the math, then added back by row index. A decode batch of many adapters costs a
   fixed handful of ops instead of a few per segment (on CPU the op count, not the arithmetic,
   dominates a small LoRA).
+- `write_lora`, per segment as `add_lora` but writing the deltas (y's rows overwritten, not
+  read), so that a matmul adding the base projection onto them comes after (LoRARuntime on a
+  GPU, for long runs); its shrink reads x's rows once for every slice.
 Rows outside every segment (the base model's) are never written. The scale is already in B
 (services/engine/lora/weights.py). The math runs in the slot buffers' dtype: on CPU they are
 float32 even for a bfloat16 model (PyTorch's small bfloat16 matmuls on CPU are several times
@@ -61,6 +64,38 @@ def add_lora(
                 y_rows[:, low:high].addmm_(shrunk[index], expand.t())
             else:
                 y_rows[:, low:high] += shrunk[index] @ expand.t()
+
+
+def write_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    batch: LoRABatch,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slice_offsets: Sequence[int],
+    ranks: Sequence[int],
+) -> None:
+    """In place: y[rows] = per slice (x[rows] A[slot, i, :r]ᵀ) B[slot, slice i, :r]ᵀ, every
+    column of each segment's rows written and none read (a slot of rank 0 writes zeros).
+
+    Shapes as add_lora's, a contiguous; y, a and b of one dtype. The shrink is one matmul of the
+    rows against the slot's slices stacked at the buffers' padded rank (x read once, the padding
+    columns unused).
+    """
+    num_slices = len(slice_offsets) - 1
+    padded, in_features = a.shape[2], a.shape[3]
+    for start, length, slot in zip(batch.starts, batch.lengths, batch.slots, strict=True):
+        y_rows = y[start : start + length]
+        rank = ranks[slot]
+        if rank == 0:
+            y_rows.zero_()
+            continue
+        stacked = a[slot].view(num_slices * padded, in_features)
+        shrunk = x[start : start + length].to(a.dtype) @ stacked.t()  # [rows, slices * padded]
+        for index in range(num_slices):
+            low, high = slice_offsets[index], slice_offsets[index + 1]
+            part = shrunk[:, index * padded : index * padded + rank]
+            y_rows[:, low:high].addmm_(part, b[slot, low:high, :rank].t(), beta=0)
 
 
 def add_lora_grouped(

@@ -10,7 +10,7 @@ from services.engine.lora.batch import LoRABatch
 from services.engine.lora.projections import PROJECTIONS
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
-from services.engine.lora.torch_ops import add_lora, add_lora_grouped
+from services.engine.lora.torch_ops import add_lora, add_lora_grouped, write_lora
 from services.engine.lora.weights import AdapterWeights, ProjectionWeights, stack_layers
 from tests.lora_adapters import tiny_model_config
 
@@ -65,7 +65,7 @@ def runtime_for(native: bool, row_slots: list[int]) -> LoRARuntime:
     return runtime
 
 
-@pytest.mark.parametrize("path", ["loop", "grouped", "native"])
+@pytest.mark.parametrize("path", ["loop", "grouped", "native", "write"])
 @pytest.mark.parametrize("projection", PROJECTIONS)
 def test_mixed_segments_match_the_per_row_loop(projection: str, path: str) -> None:
     weights = {
@@ -100,9 +100,15 @@ def test_mixed_segments_match_the_per_row_loop(projection: str, path: str) -> No
                 b[low:],
                 shape.slice_offsets,
             )
+        elif path == "write":  # the adapter rows' deltas written over what y held
+            write_lora(y, x, batch, a, b, shape.slice_offsets, SLOTS.ranks[projection])
         else:
             add_lora(y, x, batch, a, b, shape.slice_offsets, SLOTS.ranks[projection])
-        expected = base.double() + per_row_reference(x, row_slots, weights, layer, projection)
+        expected = per_row_reference(x, row_slots, weights, layer, projection)
+        if path == "write":
+            adapter_rows = [row for row, slot in enumerate(row_slots) if slot >= 0]
+            expected[adapter_rows] -= base.double()[adapter_rows]
+        expected += base.double()
         torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-5)
         base_rows = [row for row, slot in enumerate(row_slots) if slot < 0]
         assert torch.equal(y[base_rows], base[base_rows])  # base rows untouched, bit for bit

@@ -102,6 +102,7 @@ class FusedSumNorm:
         import triton
 
         from services.engine.kernels.triton.launch import pdl_options
+        from services.engine.kernels.triton.rms_norm import norm_warps
         from services.engine.kernels.triton.sum_norm import _sum_norm_kernel, empty_mark
 
         x = torch.zeros((1, self.hidden_size), dtype=self.dtype, device=self.device)
@@ -112,7 +113,7 @@ class FusedSumNorm:
                 self.rank, turn, self.max_rows, self.hidden_size, 1e-5,
                 EMPTY=empty_mark(self.dtype), WORLD=self.world_size,
                 HAS_RESIDUAL=has_residual, BLOCK=block,
-                num_warps=min(16, max(1, block // 256)), grid=(1,),
+                num_warps=norm_warps(block), grid=(1,),
                 **pdl_options(self.device),
             )  # fmt: skip
 

@@ -50,6 +50,11 @@ def store_normed(out_ptr, weight_ptr, values, offsets, mask, hidden_size, eps):
     tl.store(out_ptr + offsets, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def norm_warps(block: int) -> int:
+    """Warps of a one-row-a-program norm kernel over `block` lanes: 256 lanes a warp, 1 to 16."""
+    return min(16, max(1, block // 256))
+
+
 def rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +80,7 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        num_warps=min(16, max(1, block // 256)),
+        num_warps=norm_warps(block),
         **pdl_options(x.device),
     )
     return out, residual_out

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
-from services.engine.kernels.triton.rms_norm import store_normed
+from services.engine.kernels.triton.rms_norm import norm_warps, store_normed
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def sum_norm(
         WORLD=world_size,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        num_warps=num_warps or min(16, max(1, block // 256)),
+        num_warps=num_warps or norm_warps(block),
         **pdl_options(x.device),
     )
     return out, residual_out

@@ -9,6 +9,10 @@ replay) and 64 slots of random rank-16 adapters on all seven projections:
   whole batch, and 64 distinct adapters (one per row);
 - prefill of 8192 tokens: 4 sequences of 2048 tokens (4 adapters) and 8 sequences of 1024
   tokens (8 adapters), each against its own base step;
+- eager steps of prompt runs shorter than the long-run threshold (16 prompts of 512 tokens; 12
+  of 512 with 128 decode rows), in interleaved rounds against the same step on the base model:
+  the kernels' deltas written before the base matmul (the default), added after it, and runs
+  of 512 rows through cuBLAS;
 - the LoRA kernels of one decode step (every layer's four fused projections) launched eagerly
   one by one: on a fast GPU this is bounded by the host's launch rate, not the kernels (the
   graph-captured rows above are the kernels' cost); and the bytes of A and B a step of N
@@ -48,10 +52,18 @@ from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
 from services.engine.lora.config import LoRAConfig
 from services.engine.lora.engine_adapters import EngineAdapters
 from services.engine.lora.projections import PROJECTIONS
+from services.engine.lora.runtime import LONG_SEGMENT_ROWS
 from services.engine.lora.weights import AdapterWeights, ProjectionWeights
 
 RANK = 16
 BLOCK_SIZE = 16
+# eager_ab's settings of the runtime: (write_tile_deltas, long_segment_rows).
+EAGER_VARIANTS = {
+    "deltas_first": (True, LONG_SEGMENT_ROWS),  # the default
+    "tiles_added_after": (False, LONG_SEGMENT_ROWS),
+    "runs_of_512_through_cublas": (True, 512),
+}
+MIXED_CONTEXT = 256  # tokens before each decode row of the mixed step
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", default="llama-3-8b", help="dummy shape (gpu mode)")
     parser.add_argument("--model", default=None, help="model (cpu mode; default model)")
     parser.add_argument("--iterations", type=int, default=30, help="timed steps per sample")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved samples (cpu mode)")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="interleaved samples (cpu mode; gpu: eager A/B)"
+    )
     parser.add_argument("--context", type=int, default=512, help="tokens before each decode")
     parser.add_argument("--output", type=Path, default=None)
     return parser
@@ -192,7 +206,7 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     runner = CudaModelRunner(
         files, device="cuda", dtype=torch.bfloat16, max_num_seqs=64,
-        kv_cache_bytes=8 << 30, block_size=BLOCK_SIZE,
+        kv_cache_bytes=16 << 30, block_size=BLOCK_SIZE,
     )  # fmt: skip
     build_s = time.perf_counter() - started
     config = runner.model_config
@@ -203,6 +217,11 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     prefills = {
         "4x2048": prefill_batch(blocks, 4, 2048, vocab),
         "8x1024": prefill_batch(blocks, 8, 1024, vocab),
+    }
+    # Eager steps whose prompt runs are shorter than the default long-run threshold.
+    short_runs = {
+        "prefill16x512": prefill_batch(blocks, 16, 512, vocab),
+        "mixed12x512+128": mixed_batch(blocks, 12, 512, 128, MIXED_CONTEXT, vocab),
     }
     it = args.iterations
     base = {"decode64": time_steps(runner_step(runner, None, decode), it, sync)}
@@ -243,6 +262,7 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
             max(it // 5, 3),
             sync,
         )
+    eager = eager_ab(adapters, runner, short_runs, sync, max(it // 5, 3), args.rounds)
     kernels_ms = lora_kernel_ms(adapters, config, rows, sync, it)
     kernels_graph_ms = lora_kernel_ms(adapters, config, rows, sync, it, graph=True)
     swap = adapter_swap_ms(adapters, runner, decode, sync)
@@ -271,11 +291,66 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
         "base_ms": _round(base),
         "lora_ms": _round(lora),
         "ratio_to_base": _round(ratios, 3),
+        "eager_short_runs": eager,
         "lora_kernels_alone_ms": _round(kernels_ms),
         "lora_kernels_alone_graph_ms": _round(kernels_graph_ms),
         "adapter_swap": swap,
         "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
         "adapter_read_floor_ms": _round(floor_ms),
+    }
+
+
+def mixed_batch(
+    blocks: Blocks, prompts: int, tokens: int, decodes: int, context: int, vocab: int
+) -> ScheduledBatch:
+    """A mixed step: `prompts` prompt chunks of `tokens` then `decodes` decode rows."""
+    sequences = prefill_batch(blocks, prompts, tokens, vocab).sequences
+    return ScheduledBatch(sequences + decode_batch(blocks, decodes, context, vocab).sequences)
+
+
+def eager_ab(
+    adapters: EngineAdapters,
+    runner: Any,
+    batches: dict[str, ScheduledBatch],
+    sync: Callable[[], None],
+    iterations: int,
+    rounds: int,
+) -> dict[str, Any]:
+    """Eager steps whose prompt runs are shorter than the long-run threshold, each prompt on an
+    adapter of its own (decode rows on 16 adapters in turn), under each EAGER_VARIANTS setting
+    of the runtime, against the same step with every row on the base model (the LoRA runtime
+    bound, doing nothing): interleaved rounds, the median of each, ratios to that base."""
+    runtime = adapters.runtime
+    saved = runtime.write_tile_deltas, runtime.long_segment_rows
+    steps: dict[tuple[str, str], Callable] = {}
+    for label, batch in batches.items():
+        slots = [
+            index if len(seq.token_ids) > 1 else index % 16
+            for index, seq in enumerate(batch.sequences)
+        ]
+        steps[label, "base"] = runner_step(runner, adapters, with_slots(batch, [-1] * len(slots)))
+        for variant in EAGER_VARIANTS:
+            steps[label, variant] = runner_step(runner, adapters, with_slots(batch, slots))
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
+    try:
+        for _ in range(rounds):
+            for (label, variant), step in steps.items():
+                write, threshold = EAGER_VARIANTS.get(variant, saved)
+                runtime.write_tile_deltas, runtime.long_segment_rows = write, threshold
+                samples[label, variant].append(time_steps(step, iterations, sync, warmup=1))
+    finally:
+        runtime.write_tile_deltas, runtime.long_segment_rows = saved
+    median = {key: statistics.median(values) for key, values in samples.items()}
+    return {
+        "variants": {name: list(setting) for name, setting in EAGER_VARIANTS.items()},
+        "base_ms": {label: round(median[label, "base"], 2) for label in batches},
+        "ratio_to_base": {
+            label: {
+                variant: round(median[label, variant] / median[label, "base"], 3)
+                for variant in EAGER_VARIANTS
+            }
+            for label in batches
+        },
     }
 
 

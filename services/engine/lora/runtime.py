@@ -18,9 +18,10 @@ Long runs of one adapter's rows (a prompt's chunk: `long_segment_rows` and more)
 per-segment torch path on the triton runtime too: its shrink and expand are two cuBLAS
 matmuls over contiguous rows, which moves the projection's output at about 1.5x the speed of
 the tile kernels there (2,048 and 8,192 rows). Only in steps wider than any captured CUDA graph
-(`graph_rows`): a graph replays the kernels alone. Where the base projection is a plain
-`x Wᵀ` at that size (`plain_weight`), `project` writes those runs' deltas first (the other
-rows zeroed) and the base matmul adds itself onto them (`addmm_`): the output is read once
+(`graph_rows`): a graph replays the kernels alone. In eager steps whose base projection is a
+plain `x Wᵀ` at that size (`plain_weight`), `project` writes every adapter row's delta first
+(long runs through cuBLAS, the rest by the expand kernel in write mode), zeroes the base
+model's rows, and the base matmul adds itself onto them (`addmm_`): the output is read once
 inside a compute-bound matmul instead of in a memory-bound pass of its own after it.
 """
 
@@ -84,6 +85,11 @@ class LoRARuntime:
             for name, offsets in self._offsets.items()
         }
         self._native_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        # This step's rows no delta is written to, for project's deltas-first path.
+        self._uncovered: tuple[tuple[int, bool], torch.Tensor | None] | None = None
+        # Eager steps: the kernels' deltas too are written before the base matmul adds onto
+        # them (False: added after it, y read and written again; benchmarks compare both).
+        self.write_tile_deltas = True
         self._side_stream: torch.cuda.Stream | None = None  # the kernels' on a GPU (project)
         # On a GPU: which step last read each slot, for slot writes (read_fence).
         self.read_fences: SlotReadFences | None = None
@@ -142,6 +148,7 @@ class LoRARuntime:
     def set_batch(self, batch: LoRABatch) -> None:
         """This step's rows and slots (for triton: written into the fixed layout buffers)."""
         self.batch = batch
+        self._uncovered = None
         if self.read_fences is not None:
             self.read_fences.begin_step(self._slots_read(batch))
         if self.kernels != "triton":
@@ -233,16 +240,12 @@ class LoRARuntime:
         path (small decode batches), the shrink needs only x, so it runs on a side stream beside
         the base matmul (on SMs the matmul of a few rows leaves idle) and the expand adds into
         the matmul's output once both are done: the shrink's latency leaves the step's critical
-        path, at no host cost when the graph replays. Otherwise (eager steps too, whose launches
-        the fork and join would only lengthen) as apply."""
-        weight = plain_weight(base, x) if not self._long.is_empty else None
-        if weight is not None and weight.dtype == self.slots.b[layer][projection].dtype:
-            y = self._base_onto_long_deltas(layer, projection, x, weight)
-            bound = self._kernel_bound()
-            if bound:
-                u = self._shrink_into(layer, projection, x, bound)
-                self._expand_into(layer, projection, u, y, bound)
-            return y
+        path, at no host cost when the graph replays. In eager steps (prefill and mixed) whose
+        base is a plain x Wᵀ, the deltas are written first and the base matmul adds onto them
+        (`_base_onto_deltas`). Otherwise as apply."""
+        weight = self._deltas_first_weight(layer, projection, x, base)
+        if weight is not None:
+            return self._base_onto_deltas(layer, projection, x, weight)
         bound = self._kernel_bound() if self._side_stream is not None else 0
         if (
             not bound
@@ -262,34 +265,79 @@ class LoRARuntime:
         self._expand_into(layer, projection, u, y, bound)
         return y
 
-    def _base_onto_long_deltas(
+    def _deltas_first_weight(
+        self,
+        layer: int,
+        projection: str,
+        x: torch.Tensor,
+        base: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor | None:
+        """W where this projection's deltas go first and the base matmul adds onto them: an
+        eager step on the kernels' path with adapter rows, whose base is a plain x Wᵀ in B's
+        dtype; None otherwise (CUDA graphs keep the shrink beside the matmul)."""
+        tiles = self.write_tile_deltas and self._kernel_bound()
+        if self.kernels != "triton" or (self._long.is_empty and not tiles):
+            return None
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        weight = plain_weight(base, x)
+        if weight is None or weight.dtype != self.slots.b[layer][projection].dtype:
+            return None
+        return weight
+
+    def _base_onto_deltas(
         self, layer: int, projection: str, x: torch.Tensor, weight: torch.Tensor
     ) -> torch.Tensor:
-        """x Wᵀ plus the long runs' deltas: the deltas written first, the rows outside the
-        runs zeroed, then the base matmul added onto them."""
+        """x Wᵀ plus this step's deltas: every adapter row's delta written first (long runs by
+        cuBLAS, the rest by the kernels in write mode, y never read), the base model's rows
+        zeroed, then the base matmul added onto them: y is read once, inside a matmul."""
         rows = x.shape[0]
         if rows > self.max_rows:
             raise ValueError(f"{rows} rows, more than max_rows {self.max_rows}")
         slots = self.slots
         y = x.new_empty((rows, weight.shape[0]), dtype=weight.dtype)
-        runs = self._long
-        write_lora(
-            y,
-            x,
-            runs,
-            slots.a[layer][projection],
-            slots.b[layer][projection],
-            self._offsets[projection],
-            slots.ranks[projection],
-        )
-        covered = 0
-        for start, length in zip(runs.starts, runs.lengths, strict=True):
-            if start > covered:
-                y[covered:start].zero_()
-            covered = start + length
-        if covered < rows:
-            y[covered:].zero_()
-        return y.addmm_(x, weight.t())
+        if not self._long.is_empty:
+            write_lora(
+                y,
+                x,
+                self._long,
+                slots.a[layer][projection],
+                slots.b[layer][projection],
+                self._offsets[projection],
+                slots.ranks[projection],
+            )
+        bound = self._kernel_bound()
+        write = self.write_tile_deltas
+        if bound and write:
+            u = self._shrink_into(layer, projection, x, bound)
+            self._expand_into(layer, projection, u, y, bound, write=True)
+        uncovered = self._uncovered_rows(rows, tiles=write)
+        if uncovered is not None:
+            y.index_fill_(0, uncovered, 0)
+        y.addmm_(x, weight.t())
+        if bound and not write:
+            u = self._shrink_into(layer, projection, x, bound)
+            self._expand_into(layer, projection, u, y, bound)
+        return y
+
+    def _uncovered_rows(self, rows: int, *, tiles: bool = True) -> torch.Tensor | None:
+        """The rows among the first `rows` whose deltas nothing writes: of no adapter, and of
+        the kernels' tiles unless `tiles` (an index tensor on the slots' device, made once a
+        step), None when there are none."""
+        if self._uncovered is not None and self._uncovered[0] == (rows, tiles):
+            return self._uncovered[1]
+        batch = self.batch if tiles else self._long
+        index = None
+        if sum(batch.lengths) < rows:
+            values: list[int] = []
+            row = 0
+            for start, length in sorted(zip(batch.starts, batch.lengths, strict=True)):
+                values.extend(range(row, start))
+                row = start + length
+            values.extend(range(row, rows))
+            index = self._index_tensor(values) if values else None
+        self._uncovered = ((rows, tiles), index)
+        return index
 
     def _kernel_bound(self) -> int:
         """The kernels' grid: this step's tiles, or every tile there could be while a graph is
@@ -316,9 +364,16 @@ class LoRARuntime:
         return u
 
     def _expand_into(
-        self, layer: int, projection: str, u: torch.Tensor, y: torch.Tensor, bound: int
+        self,
+        layer: int,
+        projection: str,
+        u: torch.Tensor,
+        y: torch.Tensor,
+        bound: int,
+        *,
+        write: bool = False,
     ) -> None:
-        """Launch the expand of u (the shrink's) adding into y."""
+        """Launch the expand of u (the shrink's) adding into y (write: storing into y)."""
         sub_blocks = 1 if y.shape[0] <= self._decode_rows else self._wide_sub_blocks
         self._expand(
             u,
@@ -331,6 +386,7 @@ class LoRARuntime:
             tile_rows=TILE_ROWS,
             tile_bound=bound,
             sub_blocks=sub_blocks,
+            write=write,
         )
 
     def _native_layout(self, batch: LoRABatch) -> tuple[torch.Tensor, torch.Tensor] | None:

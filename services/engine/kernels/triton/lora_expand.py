@@ -7,8 +7,10 @@ and one block of output columns (decode-sized steps) or a few blocks side by sid
 (`column_blocks`: the slice of each block, its first column, its slice's end), so no item
 falls in a gap of a narrow slice. Each item takes its rows' u from the shrink (float32,
 rounded to B's dtype, as a LoRA layer in that dtype computes it), multiplies it by the slot's
-rank-padded B and adds the result to y. Rows of no tile (the base model's) are never read or
-written. Persistent grid, item count read on the device, as in lora_shrink.
+rank-padded B and adds the result to y, or, in write mode, stores it in y without reading y
+(a matmul then adds the base projection onto it: LoRARuntime.project). Rows of no tile (the
+base model's) are never read or written. Persistent grid, item count read on the device, as
+in lora_shrink.
 
 With programmatic dependent launch, the step's layout and the adapters' B (never written by the
 kernel just before: launch.py) are read before the wait, so their latency hides behind the
@@ -45,14 +47,15 @@ def column_blocks(slice_offsets: tuple[int, ...], block_n: int = BLOCK_N) -> lis
 
 
 @triton.jit
-def _add_block(u, b_tile, y_ptrs, y_mask, IEEE: tl.constexpr):
-    """y[rows, block] += u · B[block]ᵀ for one block of output columns."""
+def _add_block(u, b_tile, y_ptrs, y_mask, IEEE: tl.constexpr, WRITE: tl.constexpr):
+    """y[rows, block] += u · B[block]ᵀ for one block of output columns (WRITE: y = ...)."""
     if IEEE:
         delta = tl.dot(u, b_tile, input_precision="ieee")
     else:
         delta = tl.dot(u.to(b_tile.dtype), b_tile)
-    y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y_tile + delta).to(y_ptrs.dtype.element_ty), mask=y_mask)
+    if not WRITE:
+        delta += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, delta.to(y_ptrs.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
@@ -76,6 +79,7 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SUB_BLOCKS: tl.constexpr,
+    WRITE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # the next kernel may launch; it waits for this one to end (launch.py)
@@ -110,13 +114,13 @@ def _lora_expand_kernel(
             b_tile = tl.load(b_base + offs_n[None, :] * stride_bo, mask=b_mask, other=0.0)
             # u is the shrink's (the kernel before), y the base matmul's
             pdl_wait(USE_PDL)
-            if rank > 0:
+            if WRITE or rank > 0:  # writing: a slot of rank 0 writes its zeros
                 u = tl.load(u_ptrs, mask=u_mask, other=0.0)
                 y_mask = mask_m[:, None] & mask_n[None, :]
-                _add_block(u, b_tile, y_base + offs_n[None, :], y_mask, IEEE)
+                _add_block(u, b_tile, y_base + offs_n[None, :], y_mask, IEEE, WRITE)
         else:  # prefill-sized: SUB_BLOCKS blocks a work item, u read once, loads pipelined
             pdl_wait(USE_PDL)
-            if rank > 0:
+            if WRITE or rank > 0:
                 u = tl.load(u_ptrs, mask=u_mask, other=0.0)
                 for sub in range(SUB_BLOCKS):
                     offs_n = first + sub * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,7 +128,7 @@ def _lora_expand_kernel(
                     b_mask = mask_n[None, :] & mask_r[:, None]
                     b_tile = tl.load(b_base + offs_n[None, :] * stride_bo, mask=b_mask, other=0.0)
                     y_mask = mask_m[:, None] & mask_n[None, :]
-                    _add_block(u, b_tile, y_base + offs_n[None, :], y_mask, IEEE)
+                    _add_block(u, b_tile, y_base + offs_n[None, :], y_mask, IEEE, WRITE)
         item += tl.num_programs(0)
     # never end before the kernel before this one (programs without items too)
     pdl_wait(USE_PDL)
@@ -145,9 +149,11 @@ def lora_expand(
     tile_rows: int,
     tile_bound: int,
     sub_blocks: int = 1,
+    write: bool = False,
 ) -> None:
     """y[r, cols of slice i] += u[r, i * max_rank:][:rank] · b[slot, cols of slice i]ᵀ for
-    every row r of every tile.
+    every row r of every tile (write: `=` instead of `+=`, y's rows not read: every column of
+    every tile row is written, zeros for a slot of rank 0).
 
     u float32 from lora_shrink (row-major, unit column stride); b [slots, out, max_rank] (last
     dim contiguous); y [T, out] with unit column stride; blocks int32 on the device,
@@ -183,6 +189,7 @@ def lora_expand(
         BLOCK_N=BLOCK_N,
         BLOCK_R=pow2_at_least(max_rank),
         SUB_BLOCKS=sub_blocks,
+        WRITE=write,
         num_warps=4,
         **pdl_options(y.device),
     )

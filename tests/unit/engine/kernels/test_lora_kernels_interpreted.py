@@ -3,7 +3,8 @@
 The same checks as tests/gpu/test_lora_kernels.py (the kernels against the per-segment torch
 path; base rows untouched bit for bit) on the tiny and a wider shape: adapters of different
 ranks and target modules, one adapter for every row, runs of adapters among base rows, split K
-with the alternating shrink buffers, long runs through cuBLAS beside the kernels. The
+with the alternating shrink buffers, long runs through cuBLAS beside the kernels, a plain base
+matmul adding onto deltas written first (the kernels' too, or added after it). The
 interpreter has no bfloat16 and no CUDA graphs; those run on a GPU. `TRITON_INTERPRET` is read
 when a kernel module is imported, so the checks run in a child process.
 """
@@ -30,6 +31,7 @@ CASES = [
     ("wide", "distinct", 20, 16),
     ("wide", "one-adapter", 33, 16),
     ("tiny", "runs", 300, 16, 24),  # runs of 24+ rows through cuBLAS beside the kernels
+    ("tiny", "runs", 300, 16, 24, False),  # ... the kernels' deltas added after the matmul
 ]
 CHILD = """
 import json, sys, torch

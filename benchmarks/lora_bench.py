@@ -6,7 +6,7 @@ with the LoRA runtime bound (graphs captured again with the shrink/expand kernel
 replay) and 64 slots of random rank-16 adapters on all seven projections:
 
 - decode, batch of 64: base rows only through the LoRA-capable graphs, one adapter for the
-  whole batch, and 64 distinct adapters (one per row);
+  whole batch, 8 adapters, and 64 distinct adapters (one per row);
 - prefill of 8192 tokens: 4 sequences of 2048 tokens (4 adapters) and 8 sequences of 1024
   tokens (8 adapters), each against its own base step;
 - eager steps of prompt runs shorter than the long-run threshold (16 prompts of 512 tokens; 12
@@ -250,6 +250,7 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     cases = {
         "decode64_base_rows": with_slots(decode, [-1] * rows),
         "decode64_one_adapter": with_slots(decode, [0] * rows),
+        "decode64_8_adapters": with_slots(decode, [row % 8 for row in range(rows)]),
         "decode64_64_adapters": with_slots(decode, list(range(rows))),
     }
     lora = {
@@ -271,6 +272,7 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {
         "decode64_base_rows": lora["decode64_base_rows"] / base["decode64"],
         "decode64_one_adapter": lora["decode64_one_adapter"] / base["decode64"],
+        "decode64_8_adapters": lora["decode64_8_adapters"] / base["decode64"],
         "decode64_64_adapters": lora["decode64_64_adapters"] / base["decode64"],
         "prefill4x2048_4_adapters": lora["prefill4x2048_4_adapters"] / base["prefill4x2048"],
         "prefill8x1024_8_adapters": lora["prefill8x1024_8_adapters"] / base["prefill8x1024"],

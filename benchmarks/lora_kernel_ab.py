@@ -12,7 +12,10 @@ the same rounds:
   through the runtime's `apply` after each base matmul;
 - `current`: this tree's kernels through `apply` (one after the other behind the matmul);
 - `project`: this tree's kernels through `LoRARuntime.project`, as the model runs them (in
-  steps of up to `SIDE_SHRINK_MAX_ROWS` rows the shrink runs on a side stream beside the matmul).
+  steps of up to `SIDE_SHRINK_MAX_ROWS` rows the shrink runs on a side stream beside the matmul);
+- `deltas_first`: the same over a plain `x Wᵀ` base (an `nn.Linear`), the deltas written first
+  and the base matmul adding onto them at every row count (`graph_deltas_first`, as the runner's
+  "lora-many" graphs and every wider graph run it).
 
 Each variant's outputs are compared with the baseline's first (largest absolute difference: a
 rounding of bf16, never more). Prints and writes one JSON report.
@@ -57,7 +60,9 @@ def _layouts(seed: int) -> dict[str, list[int]]:
 
     return {
         "decode: 64 rows of one adapter": [0] * 64,
+        "decode: 64 rows of 8 adapters": [row % 8 for row in range(64)],
         "decode: 64 rows of 64 adapters": list(range(64)),
+        "decode: 128 rows of 16 adapters": zipf(128),
         "decode: 256 rows of 16 adapters": zipf(256),
         "mixed: 200 decode rows of 16 adapters + 330 prompt rows of 3": (
             zipf(200) + [0] * 150 + [5] * 100 + [9] * 80
@@ -110,13 +115,21 @@ def runtimes(
     old_expand = baseline[1].lora_expand
     old._shrink = baseline[0].lora_shrink
 
-    def expand(*args: Any, sub_blocks: int = 1, **kwargs: Any) -> None:
+    def expand(*args: Any, sub_blocks: int = 1, write: bool = False, **kwargs: Any) -> None:
+        assert not write, "the baseline runs through apply (deltas added after the matmul)"
         old_expand(*args, **kwargs)  # one block per work item: the tables of sub_blocks 1
 
     old._expand = expand
     old._wide_sub_blocks = 1
     current = runtime_mod.LoRARuntime(slots, kernels="triton", max_rows=8192)
-    return {"baseline": (old, False), "current": (current, False), "project": (current, True)}
+    first = runtime_mod.LoRARuntime(slots, kernels="triton", max_rows=8192)
+    first.graph_deltas_first = True
+    return {
+        "baseline": (old, False),
+        "current": (current, False),
+        "project": (current, True),
+        "deltas_first": (first, True),
+    }
 
 
 def graph_ms(
@@ -142,13 +155,15 @@ def graph_ms(
     }
     if runtime is not None:
         runtime.set_batch(LoRABatch.from_row_slots(row_slots))
+    plain = runtime is not None and runtime.graph_deltas_first
 
     def step() -> None:
         for layer in range(next(iter(base_weights.values())).shape[0]):
             for name in PROJECTIONS:
                 weight = base_weights[name][layer]
                 if project and runtime is not None:
-                    ys[name] = runtime.project(layer, name, xs[name], lambda t, w=weight: t @ w.T)
+                    base = _linear(weight) if plain else (lambda t, w=weight: t @ w.T)
+                    ys[name] = runtime.project(layer, name, xs[name], base)
                     continue
                 torch.matmul(xs[name], weight.T, out=ys[name])
                 if runtime is not None:
@@ -160,6 +175,13 @@ def graph_ms(
     with torch.cuda.graph(graph):
         step()
     return _replay_ms(graph.replay, replays), ys
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    """An nn.Linear without bias over `weight` (no copy): a base `plain_weight` recognizes."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return linear
 
 
 def _replay_ms(replay: Callable[[], None], replays: int) -> float:
@@ -221,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 (outputs[name][p].float() - outputs["baseline"][p].float()).abs().max().item()
                 for p in PROJECTIONS
             )
-            for name in ("current", "project")
+            for name in ("current", "project", "deltas_first")
         }
         samples: dict[str, list[float]] = {"base": [], **{name: [] for name in variants}}
         for _ in range(args.rounds):
@@ -233,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         case["lora_ms"] = {name: round(median[name] - median["base"], 3) for name in variants}
         case["lora_ms_over_baseline"] = {
             name: round((median[name] - median["base"]) / (median["baseline"] - median["base"]), 3)
-            for name in ("current", "project")
+            for name in ("current", "project", "deltas_first")
         }
         report["layouts"][label] = case
         print(label, json.dumps(case), flush=True)

@@ -8,7 +8,8 @@ bucket that holds n rows.
 
 A model can be captured in more than one variant: with LoRA bound, "lora" graphs hold the
 adapter kernels and the plain ones ("base") do not, so a step without adapter rows replays a
-graph that does no LoRA work at all. `select_variant` (set by the owner) picks per replay.
+graph that does no LoRA work at all; a variant may cover only the smaller buckets.
+`select_variant(bucket)` (set by the owner) picks per replay.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class DecodeCudaGraphs:
         self.buckets = tuple(sorted(set(int(size) for size in buckets)))
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self.select_variant: Callable[[], str] = lambda: BASE
+        self.select_variant: Callable[[int], str] = lambda bucket: BASE
         self.replays: Counter[str] = Counter()  # per variant
 
     @property
@@ -45,20 +46,21 @@ class DecodeCudaGraphs:
     def variants(self) -> tuple[str, ...]:
         return tuple(sorted({variant for variant, _ in self._graphs}))
 
-    def capture(self, variant: str = BASE) -> None:
-        """Warm up and capture every bucket (largest first, so smaller ones reuse its memory)
-        as `variant`, replacing that variant's graphs; other variants stay."""
+    def capture(self, variant: str = BASE, max_size: int | None = None) -> None:
+        """Warm up and capture every bucket (up to max_size; largest first, so smaller ones
+        reuse its memory) as `variant`, replacing that variant's graphs; others stay."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         pool = self._pool
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        sizes = [size for size in self.buckets if max_size is None or size <= max_size]
         with torch.cuda.stream(side):
-            for size in reversed(self.buckets):
+            for size in reversed(sizes):
                 self._step(size)  # compiles kernels and sets up library handles
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        for size in reversed(self.buckets):
+        for size in reversed(sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._step(size)
@@ -72,6 +74,9 @@ class DecodeCudaGraphs:
                 return size
         return None
 
+    def has(self, variant: str, bucket: int) -> bool:
+        return (variant, bucket) in self._graphs
+
     def drop(self, variant: str) -> None:
         """Forget `variant`'s graphs (replays then fall back to the base graphs)."""
         for key in [key for key in self._graphs if key[0] == variant]:
@@ -84,7 +89,7 @@ class DecodeCudaGraphs:
     def replay(self, batch_size: int) -> int:
         """Run the graph of batch_size's bucket in the selected variant; returns the bucket."""
         bucket = self.bucket_for(batch_size)
-        variant = self.select_variant()
+        variant = self.select_variant(bucket) if bucket is not None else BASE
         graph = None if bucket is None else self._graphs.get((variant, bucket))
         if graph is None:
             raise InvalidArgumentError(f"no captured CUDA graph holds a batch of {batch_size}")

@@ -52,8 +52,12 @@ logger = logging.getLogger(__name__)
 FAST_PATH_BACKENDS = ("torch", "cuda")
 # Decode row counts whose projections may take the Triton skinny matmul (tuned per role).
 SKINNY_ROW_COUNTS = (1, 2, 4, 8)
-# The decode graphs captured with the LoRA kernels (services/engine/cuda_graph.py variants).
+# The decode graphs captured with the LoRA kernels (services/engine/cuda_graph.py variants), and
+# those of small buckets for steps of at least MANY_ADAPTERS distinct adapters, whose deltas go
+# before the base matmul (services/engine/lora/runtime.py, SIDE_SHRINK_MAX_ROWS).
 LORA_GRAPHS = "lora"
+LORA_MANY_GRAPHS = "lora-many"
+MANY_ADAPTERS = 4
 
 
 def fast_path_unsupported(config: ModelConfig) -> str | None:
@@ -194,19 +198,35 @@ class CudaModelRunner(BaseModelRunner):
     def bind_lora(self, adapters: EngineAdapters) -> None:
         """Wrap the projections (the fast path's tuned ones too) and capture the decode graphs
         again as a "lora" variant with the LoRA kernels in every replay (slot indices are graph
-        inputs, so a new adapter mix needs no recapture); a step without adapter rows keeps
-        replaying the base graphs, which do no LoRA work."""
+        inputs, so a new adapter mix needs no recapture), and the small buckets once more for
+        steps of many adapters ("lora-many"); a step without adapter rows keeps replaying the
+        base graphs, which do no LoRA work."""
         super().bind_lora(adapters)
         if self.fast is None or not self.use_cuda_graphs:
             return
         runtime = adapters.runtime
-        runtime.graph_rows = self.fast.graphs.max_batch_size  # wider steps never replay
+        graphs = self.fast.graphs
+        runtime.graph_rows = graphs.max_batch_size  # wider steps never replay
+        runtime.graph_buckets = graphs.buckets
+        small = min(runtime.side_shrink_max_rows, runtime.max_rows)
         runtime.launch_always = True
         try:
             self.fast.capture_graphs(LORA_GRAPHS)
+            if graphs.buckets[0] <= small:
+                runtime.graph_deltas_first = True
+                self.fast.capture_graphs(LORA_MANY_GRAPHS, max_size=small)
         finally:
-            runtime.launch_always = False
-        self.fast.graphs.select_variant = lambda: BASE if runtime.batch.is_empty else LORA_GRAPHS
+            runtime.launch_always = runtime.graph_deltas_first = False
+
+        def select(bucket: int) -> str:
+            batch = runtime.batch
+            if batch.is_empty:
+                return BASE
+            if len(set(batch.slots)) >= MANY_ADAPTERS and graphs.has(LORA_MANY_GRAPHS, bucket):
+                return LORA_MANY_GRAPHS
+            return LORA_GRAPHS
+
+        graphs.select_variant = select
 
     def _tune_skinny_matmuls(self) -> str:
         """Bind the skinny-matmul choices saved for this GPU, shape, dtype and kernel code

@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def _llm(directory: Path, device: str, quantum_ms: float | None = None) -> LLM:
+def _llm(directory: Path, device: str, quantum_ms: float | None = None, max_loras: int = 2) -> LLM:
     slicing = {} if quantum_ms is None else {"lora_slot_quantum_ms": quantum_ms}
     config = EngineConfig(
         **slicing,
@@ -63,7 +63,7 @@ def _llm(directory: Path, device: str, quantum_ms: float | None = None) -> LLM:
         block_size=16,
         kv_cache_bytes=16 << 20,
         max_num_seqs=16,
-        max_loras=2,
+        max_loras=max_loras,
         max_cpu_loras=4,
         max_lora_rank=8,
         adapter_root=str(directory / "adapters"),
@@ -108,7 +108,7 @@ def test_mixed_adapters_on_cuda_match_alone_and_the_cpu_engine(model_dir: Path) 
     assert agreeing >= len(jobs) * MAX_TOKENS // 2
     assert gpu.engine.adapters.manager.num_slot_writes > 2  # two slots served four adapters
     graphs = gpu.engine.runner.fast.graphs
-    assert graphs.variants == ("base", "lora")
+    assert graphs.variants == ("base", "lora", "lora-many")
     lora_replays = graphs.replays["lora"]
     assert lora_replays > 0
     base_replays = graphs.replays["base"]
@@ -116,6 +116,27 @@ def test_mixed_adapters_on_cuda_match_alone_and_the_cpu_engine(model_dir: Path) 
     assert graphs.replays["base"] > base_replays and graphs.replays["lora"] == lora_replays
     for llm in (gpu, cpu):
         llm.engine.shutdown()
+    torch.cuda.synchronize()
+
+
+def test_steps_of_many_adapters_replay_their_own_graphs_and_keep_every_token(
+    model_dir: Path,
+) -> None:
+    """Four adapters resident at once: decode steps of all four replay the graphs whose deltas
+    go before the base matmul ("lora-many", the base model's rows and the bucket's padding
+    written as zeros); each request's tokens stay those it gets alone."""
+    gpu = _llm(model_dir, "cuda", max_loras=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    jobs = [(name, prompt) for name in [None, *ADAPTERS] for prompt in PROMPTS[:1]]
+    jobs += [(name, PROMPTS[1]) for name in ADAPTERS]  # 9 rows: padded to a bucket of 16
+    graphs = gpu.engine.runner.fast.graphs
+    mixed = gpu.generate(
+        [prompt for _, prompt in jobs], greedy, adapters=[name for name, _ in jobs]
+    )
+    assert graphs.replays["lora-many"] > 0
+    for (name, prompt), output in zip(jobs, mixed, strict=True):
+        assert output.token_ids == gpu.generate([prompt], greedy, adapters=name)[0].token_ids
+    gpu.engine.shutdown()
     torch.cuda.synchronize()
 
 

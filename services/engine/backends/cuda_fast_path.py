@@ -213,9 +213,9 @@ class CudaFastPath:
         return self.model.compute_logits(rows).float()
 
     # ---- graph-captured greedy decode -----------------------------------------------------
-    def capture_graphs(self, variant: str = BASE) -> None:
+    def capture_graphs(self, variant: str = BASE, max_size: int | None = None) -> None:
         with torch.inference_mode():
-            self.graphs.capture(variant)
+            self.graphs.capture(variant, max_size)
 
     def _graph_step(self, batch_size: int) -> None:
         buffers = self._static

@@ -104,8 +104,20 @@ class LoRABatch:
         starts, lengths, slots = zip(*segments, strict=True)
         return LoRABatch(self.num_rows, starts, lengths, slots)
 
-    def kernel_tiles(self) -> KernelTiles:
-        """Rows grouped by slot, cut into tiles of at most TILE_ROWS rows of one slot each."""
+    def rows_outside(self, cover: int) -> list[int]:
+        """The rows below `cover` in no segment (the base model's, and past num_rows a CUDA
+        graph's padding), in order."""
+        rows: list[int] = []
+        row = 0
+        for start, length in sorted(zip(self.starts, self.lengths, strict=True)):
+            rows.extend(range(row, min(start, cover)))
+            row = start + length
+        rows.extend(range(row, cover))
+        return rows
+
+    def kernel_tiles(self, fill: Sequence[int] = (), fill_slot: int = BASE_SLOT) -> KernelTiles:
+        """Rows grouped by slot, cut into tiles of at most TILE_ROWS rows of one slot each;
+        the rows `fill` (in no segment) as tiles of `fill_slot` too, after the others."""
         by_slot: dict[int, list[int]] = {}
         for start, length, slot in zip(self.starts, self.lengths, self.slots, strict=True):
             by_slot.setdefault(slot, []).extend(range(start, start + length))
@@ -113,8 +125,8 @@ class LoRABatch:
         tile_slots: list[int] = []
         tile_starts: list[int] = []
         tile_rows: list[int] = []
-        for slot in sorted(by_slot):
-            rows = by_slot[slot]
+        groups = [(slot, by_slot[slot]) for slot in sorted(by_slot)]
+        for slot, rows in groups + ([(fill_slot, list(fill))] if fill else []):
             first = len(row_indices)
             row_indices.extend(rows)
             for offset in range(0, len(rows), TILE_ROWS):
@@ -125,15 +137,15 @@ class LoRABatch:
 
 
 def max_tiles(max_rows: int, max_loras: int) -> int:
-    """The most tiles a step of max_rows rows over max_loras slots cuts into (each slot's rows
-    fill whole tiles but its last)."""
-    return -(-max_rows // TILE_ROWS) + max_loras
+    """The most tiles a step of max_rows rows over max_loras slots (and the fill slot of
+    `kernel_tiles`) cuts into: each slot's rows fill whole tiles but its last."""
+    return -(-max_rows // TILE_ROWS) + max_loras + 1
 
 
 @dataclass(frozen=True)
 class KernelTiles:
     """The GPU kernels' view: tile t is rows row_indices[tile_starts[t]:][:tile_rows[t]], all
-    of slot tile_slots[t]. Base rows are in no tile."""
+    of slot tile_slots[t]. Base rows are in no tile, but where `kernel_tiles` covers them."""
 
     row_indices: list[int]
     tile_slots: list[int]

@@ -51,8 +51,10 @@ GROUPED_MAX_PADDING = 4
 LONG_SEGMENT_ROWS = 1024
 # triton on a GPU: CUDA graphs of at most this many rows run the shrink on a side stream beside
 # the base matmul (project): at 64 rows of one adapter, 8B shapes on an H100, 0.77 ms of LoRA a step
-# instead of 0.98 (benchmarks/lora_kernel_ab.py); at 256 rows, whose matmuls fill the GPU, it
-# measured slower than after the matmul.
+# instead of 0.98 (benchmarks/lora_kernel_ab.py); wider graphs write the deltas first and let the
+# base matmul add onto them (at 128-384 rows of 16 adapters 11-12 % less LoRA time than adding
+# them after it), as do graphs of this size for steps of many adapters (the runner captures
+# both; at 64 rows of 64 adapters 3.6 ms against 4.6, of one adapter 1.0 against 0.79).
 SIDE_SHRINK_MAX_ROWS = 64
 
 
@@ -76,6 +78,7 @@ class LoRARuntime:
         # triton: this step's long segments (add_lora), the rest go to the kernels.
         self.long_segment_rows = LONG_SEGMENT_ROWS
         self.graph_rows = 0  # the widest step a CUDA graph replays (set by the runner)
+        self.graph_buckets: tuple[int, ...] = ()  # the graphs' batch sizes (set by the runner)
         self._long = LoRABatch(0)
         # torch on a CPU: the native kernels (set by the CPU runner), each projection's slice
         # offsets for them, and this step's adapter rows and their slots (int32).
@@ -85,8 +88,8 @@ class LoRARuntime:
             for name, offsets in self._offsets.items()
         }
         self._native_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-        # This step's rows no delta is written to, for project's deltas-first path.
-        self._uncovered: tuple[tuple[int, bool], torch.Tensor | None] | None = None
+        # This step's rows in no long run, for project's deltas-first path: (rows, index).
+        self._uncovered: tuple[int, torch.Tensor | None] | None = None
         # Eager steps: the kernels' deltas too are written before the base matmul adds onto
         # them (False: added after it, y read and written again; benchmarks compare both).
         self.write_tile_deltas = True
@@ -96,6 +99,9 @@ class LoRARuntime:
         if slots.device.type == "cuda":
             self.read_fences = SlotReadFences(slots.device)
         self.side_shrink_max_rows = SIDE_SHRINK_MAX_ROWS
+        # Set while the runner captures graphs of at most side_shrink_max_rows rows for steps
+        # of many adapters: their deltas go first too (see SIDE_SHRINK_MAX_ROWS).
+        self.graph_deltas_first = False
         if kernels == "triton":
             self._init_kernel_buffers(max_rows)
 
@@ -157,15 +163,20 @@ class LoRARuntime:
             return
         if batch.num_rows > self.max_rows:
             raise ValueError(f"{batch.num_rows} rows, more than max_rows {self.max_rows}")
+        full = batch
         self._long = LoRABatch(0)
         if batch.num_rows > self.graph_rows:  # eager for sure: long runs may go to cuBLAS
             batch, self._long = batch.split_long(self.long_segment_rows)
-        if batch.is_empty:
+        # The rows no adapter writes a delta for (base rows; past the batch, a graph's padding)
+        # go to the kernels as rows of the zero slot: written as zeros where the deltas go
+        # first (project), skipped where they are added.
+        fill = [] if full.is_empty else full.rows_outside(self._cover(full.num_rows))
+        if batch.is_empty and not fill:
             if self._num_tiles:
                 self._packed[:1].zero_()  # replays of graphs with the kernels do nothing
                 self._num_tiles = 0
             return
-        tiles = batch.kernel_tiles()
+        tiles = batch.kernel_tiles(fill, self.slots.zero_slot)
         packed = tiles.packed(self.tile_capacity)
         self._u.zero_()  # rows of the last step's tiles may hold its last projection's u
         staging, copied = self._staging[self._turn], self._copied[self._turn]
@@ -240,9 +251,9 @@ class LoRARuntime:
         path (small decode batches), the shrink needs only x, so it runs on a side stream beside
         the base matmul (on SMs the matmul of a few rows leaves idle) and the expand adds into
         the matmul's output once both are done: the shrink's latency leaves the step's critical
-        path, at no host cost when the graph replays. In eager steps (prefill and mixed) whose
-        base is a plain x Wᵀ, the deltas are written first and the base matmul adds onto them
-        (`_base_onto_deltas`). Otherwise as apply."""
+        path, at no host cost when the graph replays. In wider graphs and in eager steps
+        (prefill and mixed) whose base is a plain x Wᵀ, the deltas are written first and the
+        base matmul adds onto them (`_base_onto_deltas`). Otherwise as apply."""
         weight = self._deltas_first_weight(layer, projection, x, base)
         if weight is not None:
             return self._base_onto_deltas(layer, projection, x, weight)
@@ -272,13 +283,19 @@ class LoRARuntime:
         x: torch.Tensor,
         base: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor | None:
-        """W where this projection's deltas go first and the base matmul adds onto them: an
-        eager step on the kernels' path with adapter rows, whose base is a plain x Wᵀ in B's
-        dtype; None otherwise (CUDA graphs keep the shrink beside the matmul)."""
-        tiles = self.write_tile_deltas and self._kernel_bound()
-        if self.kernels != "triton" or (self._long.is_empty and not tiles):
+        """W where this projection's deltas go first and the base matmul adds onto them: a step
+        on the kernels' path with adapter rows, eager or a CUDA graph wider than
+        `side_shrink_max_rows` (narrower ones run the shrink beside the matmul, unless
+        `graph_deltas_first`), whose base is a plain x Wᵀ in B's dtype; None otherwise."""
+        if self.kernels != "triton":
             return None
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        tiles = self.write_tile_deltas and self._kernel_bound()
+        if self._long.is_empty and not tiles:
+            return None
+        side_sized = not self.graph_deltas_first and x.shape[0] <= min(
+            self.side_shrink_max_rows, self.max_rows
+        )
+        if (not tiles or side_sized) and x.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         weight = plain_weight(base, x)
         if weight is None or weight.dtype != self.slots.b[layer][projection].dtype:
@@ -288,9 +305,10 @@ class LoRARuntime:
     def _base_onto_deltas(
         self, layer: int, projection: str, x: torch.Tensor, weight: torch.Tensor
     ) -> torch.Tensor:
-        """x Wᵀ plus this step's deltas: every adapter row's delta written first (long runs by
-        cuBLAS, the rest by the kernels in write mode, y never read), the base model's rows
-        zeroed, then the base matmul added onto them: y is read once, inside a matmul."""
+        """x Wᵀ plus this step's deltas: every row's delta written first (long runs by cuBLAS,
+        the rest by the kernels in write mode, zeros for the base model's rows and a graph's
+        padding; y never read), then the base matmul added onto them: y is read once, inside
+        a matmul."""
         rows = x.shape[0]
         if rows > self.max_rows:
             raise ValueError(f"{rows} rows, more than max_rows {self.max_rows}")
@@ -308,35 +326,36 @@ class LoRARuntime:
             )
         bound = self._kernel_bound()
         write = self.write_tile_deltas
-        if bound and write:
+        if bound and write:  # every row outside the long runs is in a tile (set_batch)
             u = self._shrink_into(layer, projection, x, bound)
             self._expand_into(layer, projection, u, y, bound, write=True)
-        uncovered = self._uncovered_rows(rows, tiles=write)
-        if uncovered is not None:
-            y.index_fill_(0, uncovered, 0)
+        else:
+            outside = self._outside_long_runs(rows)
+            if outside is not None:
+                y.index_fill_(0, outside, 0)
         y.addmm_(x, weight.t())
         if bound and not write:
             u = self._shrink_into(layer, projection, x, bound)
             self._expand_into(layer, projection, u, y, bound)
         return y
 
-    def _uncovered_rows(self, rows: int, *, tiles: bool = True) -> torch.Tensor | None:
-        """The rows among the first `rows` whose deltas nothing writes: of no adapter, and of
-        the kernels' tiles unless `tiles` (an index tensor on the slots' device, made once a
-        step), None when there are none."""
-        if self._uncovered is not None and self._uncovered[0] == (rows, tiles):
+    def _cover(self, rows: int) -> int:
+        """The rows a step of `rows` rows computes: the CUDA graph bucket it may replay, or
+        `rows` itself in a step no graph takes."""
+        if rows <= self.graph_rows:
+            for bucket in self.graph_buckets:
+                if bucket >= rows:
+                    return bucket
+        return rows
+
+    def _outside_long_runs(self, rows: int) -> torch.Tensor | None:
+        """The rows among the first `rows` in no long run (an index tensor on the slots'
+        device, made once a step), None when there are none."""
+        if self._uncovered is not None and self._uncovered[0] == rows:
             return self._uncovered[1]
-        batch = self.batch if tiles else self._long
-        index = None
-        if sum(batch.lengths) < rows:
-            values: list[int] = []
-            row = 0
-            for start, length in sorted(zip(batch.starts, batch.lengths, strict=True)):
-                values.extend(range(row, start))
-                row = start + length
-            values.extend(range(row, rows))
-            index = self._index_tensor(values) if values else None
-        self._uncovered = ((rows, tiles), index)
+        values = self._long.rows_outside(rows)
+        index = self._index_tensor(values) if values else None
+        self._uncovered = (rows, index)
         return index
 
     def _kernel_bound(self) -> int:
@@ -357,7 +376,7 @@ class LoRARuntime:
             zero,
             self._tiles,
             self._row_indices,
-            self.slots.rank_tensors[projection],
+            self.slots.kernel_rank_tensors[projection],
             tile_rows=TILE_ROWS,
             tile_bound=bound,
         )
@@ -381,7 +400,7 @@ class LoRARuntime:
             y,
             self._tiles,
             self._row_indices,
-            self.slots.rank_tensors[projection],
+            self.slots.kernel_rank_tensors[projection],
             self._blocks[projection, sub_blocks],
             tile_rows=TILE_ROWS,
             tile_bound=bound,

@@ -101,10 +101,16 @@ class LoRASlots:
             for layer in range(self.num_layers)
         ]
         self.ranks: dict[str, list[int]] = {name: [0] * max_loras for name in PROJECTIONS}
-        # The same ranks on the device, for the GPU kernels (which read no padding past them).
-        self.rank_tensors: dict[str, torch.Tensor] = {
-            name: torch.zeros(max_loras, dtype=torch.int32, device=self.device)
+        # The same ranks on the device, for the GPU kernels (which read no padding past them),
+        # one more at index `zero_slot` that stays 0: rows the kernels must write zeros for
+        # (KernelTiles' fill rows) name it, and no factor of it is ever read.
+        self.zero_slot = max_loras
+        self.kernel_rank_tensors: dict[str, torch.Tensor] = {
+            name: torch.zeros(max_loras + 1, dtype=torch.int32, device=self.device)
             for name in PROJECTIONS
+        }
+        self.rank_tensors: dict[str, torch.Tensor] = {
+            name: ranks[:max_loras] for name, ranks in self.kernel_rank_tensors.items()
         }
         self.names: list[str | None] = [None] * max_loras
         self._copy_stream: torch.cuda.Stream | None = None  # made on the first async write

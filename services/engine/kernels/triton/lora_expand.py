@@ -68,6 +68,7 @@ def _lora_expand_kernel(
     slot_ranks_ptr,
     blocks_ptr,
     num_blocks,
+    row_limit,
     stride_um,
     stride_bs,
     stride_bo,
@@ -102,6 +103,7 @@ def _lora_expand_kernel(
         end = tl.load(blocks_ptr + 3 * block + 2)
         mask_m = offs_m < count
         rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        mask_m &= rows < row_limit  # fill rows past an eager step's own (KernelTiles)
         mask_r = offs_r < rank  # the slot's real rank (0: nothing to add): padding never read
         u_ptrs = u_ptr + rows[:, None] * stride_um + slice_id * MAX_RANK + offs_r[None, :]
         b_base = b_ptr + slot * stride_bs + offs_r[:, None]
@@ -152,8 +154,8 @@ def lora_expand(
     write: bool = False,
 ) -> None:
     """y[r, cols of slice i] += u[r, i * max_rank:][:rank] · b[slot, cols of slice i]ᵀ for
-    every row r of every tile (write: `=` instead of `+=`, y's rows not read: every column of
-    every tile row is written, zeros for a slot of rank 0).
+    every row r of every tile below y's row count (write: `=` instead of `+=`, y's rows not
+    read: every column of every tile row is written, zeros for a slot of rank 0).
 
     u float32 from lora_shrink (row-major, unit column stride); b [slots, out, max_rank] (last
     dim contiguous); y [T, out] with unit column stride; blocks int32 on the device,
@@ -178,6 +180,7 @@ def lora_expand(
         slot_ranks,
         blocks,
         num_blocks,
+        y.shape[0],
         u_stride[0],
         b_stride[0],
         b_stride[1],

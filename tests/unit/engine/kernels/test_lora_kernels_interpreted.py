@@ -4,7 +4,8 @@ The same checks as tests/gpu/test_lora_kernels.py (the kernels against the per-s
 path; base rows untouched bit for bit) on the tiny and a wider shape: adapters of different
 ranks and target modules, one adapter for every row, runs of adapters among base rows, split K
 with the alternating shrink buffers, long runs through cuBLAS beside the kernels, a plain base
-matmul adding onto deltas written first (the kernels' too, or added after it). The
+matmul adding onto deltas written first (the kernels' too, or added after it), a step
+narrower than its CUDA graph bucket. The
 interpreter has no bfloat16 and no CUDA graphs; those run on a GPU. `TRITON_INTERPRET` is read
 when a kernel module is imported, so the checks run in a child process.
 """
@@ -32,12 +33,13 @@ CASES = [
     ("wide", "one-adapter", 33, 16),
     ("tiny", "runs", 300, 16, 24),  # runs of 24+ rows through cuBLAS beside the kernels
     ("tiny", "runs", 300, 16, 24, False),  # ... the kernels' deltas added after the matmul
+    ("tiny", "distinct", 20, 16, None, True, 7),  # a step narrower than its graph bucket
 ]
 CHILD = """
 import json, sys, torch
 from tests.gpu.test_lora_kernels import check_against_torch
-for shape, kind, rows, max_rank, *long in json.loads(sys.argv[1]):
-    check_against_torch("cpu", shape, torch.float32, kind, rows, max_rank, *long)
+for shape, kind, rows, max_rank, *more in json.loads(sys.argv[1]):
+    check_against_torch("cpu", shape, torch.float32, kind, rows, max_rank, *more)
     print("ok", shape, kind, rows, max_rank, flush=True)
 """
 

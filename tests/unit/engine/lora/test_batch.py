@@ -61,6 +61,25 @@ def test_a_slot_with_many_rows_spans_tiles() -> None:
     assert worst.kernel_tiles().num_tiles <= max_tiles(worst.num_rows, 3)
 
 
+def test_rows_outside_every_segment_fill_tiles_of_their_own_slot() -> None:
+    batch = LoRABatch.from_row_slots([3, -1, 1, 3, 3, -1, 1])
+    assert batch.rows_outside(7) == [1, 5]
+    assert batch.rows_outside(10) == [1, 5, 7, 8, 9]  # a graph's padding past the batch
+    assert batch.rows_outside(4) == [1]
+    tiles = batch.kernel_tiles(batch.rows_outside(10), fill_slot=8)
+    assert tiles.tile_slots == [1, 3, 8]
+    assert tiles.row_indices == [2, 6, 0, 3, 4, 1, 5, 7, 8, 9]
+    assert (tiles.tile_starts, tiles.tile_rows) == ([0, 2, 5], [2, 3, 5])
+    # every row below the cover is in exactly one tile
+    assert sorted(tiles.row_indices) == list(range(10))
+    many = LoRABatch.from_row_slots([-1] * (TILE_ROWS + 2) + [0])
+    fill = many.rows_outside(many.num_rows)
+    assert many.kernel_tiles(fill, 4).tile_rows == [1, TILE_ROWS, 2]
+    worst = LoRABatch.from_row_slots([0, 1, 2, -1] * TILE_ROWS)
+    filled = worst.kernel_tiles(worst.rows_outside(worst.num_rows), 3)
+    assert filled.num_tiles <= max_tiles(worst.num_rows, 3)
+
+
 def test_an_empty_batch_has_no_tiles() -> None:
     assert LoRABatch.from_row_slots([-1, -1]).kernel_tiles().packed(2) == [0] * 7
 

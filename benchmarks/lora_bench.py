@@ -9,10 +9,10 @@ replay) and 64 slots of random rank-16 adapters on all seven projections:
   whole batch, 8 adapters, and 64 distinct adapters (one per row);
 - prefill of 8192 tokens: 4 sequences of 2048 tokens (4 adapters) and 8 sequences of 1024
   tokens (8 adapters), each against its own base step;
-- eager steps of prompt runs shorter than the long-run threshold (16 prompts of 512 tokens; 12
-  of 512 with 128 decode rows), in interleaved rounds against the same step on the base model:
-  the kernels' deltas written before the base matmul (the default), added after it, and runs
-  of 512 rows through cuBLAS;
+- eager steps (16 prompts of 512 tokens; 12 of 512 with 128 decode rows; the two prefills
+  above), in interleaved rounds against the same step on the base model: the kernels' deltas
+  written before the base matmul (the default), added after it, and runs of at least 512, 1024
+  (the default), 2048 or 4096 rows through cuBLAS instead of the kernels;
 - the LoRA kernels of one decode step (every layer's four fused projections) launched eagerly
   one by one: on a fast GPU this is bounded by the host's launch rate, not the kernels (the
   graph-captured rows above are the kernels' cost); and the bytes of A and B a step of N
@@ -62,6 +62,8 @@ EAGER_VARIANTS = {
     "deltas_first": (True, LONG_SEGMENT_ROWS),  # the default
     "tiles_added_after": (False, LONG_SEGMENT_ROWS),
     "runs_of_512_through_cublas": (True, 512),
+    "runs_of_2048_through_cublas": (True, 2048),
+    "runs_of_4096_through_cublas": (True, 4096),
 }
 MIXED_CONTEXT = 256  # tokens before each decode row of the mixed step
 
@@ -263,7 +265,8 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
             max(it // 5, 3),
             sync,
         )
-    eager = eager_ab(adapters, runner, short_runs, sync, max(it // 5, 3), args.rounds)
+    eager_cases = {**short_runs, **{f"prefill{label}": batch for label, batch in prefills.items()}}
+    eager = eager_ab(adapters, runner, eager_cases, sync, max(it // 5, 3), args.rounds)
     kernels_ms = lora_kernel_ms(adapters, config, rows, sync, it)
     kernels_graph_ms = lora_kernel_ms(adapters, config, rows, sync, it, graph=True)
     swap = adapter_swap_ms(adapters, runner, decode, sync)
@@ -318,10 +321,10 @@ def eager_ab(
     iterations: int,
     rounds: int,
 ) -> dict[str, Any]:
-    """Eager steps whose prompt runs are shorter than the long-run threshold, each prompt on an
-    adapter of its own (decode rows on 16 adapters in turn), under each EAGER_VARIANTS setting
-    of the runtime, against the same step with every row on the base model (the LoRA runtime
-    bound, doing nothing): interleaved rounds, the median of each, ratios to that base."""
+    """Eager steps, each prompt on an adapter of its own (decode rows on 16 adapters in turn),
+    under each EAGER_VARIANTS setting of the runtime, against the same step with every row on
+    the base model (the LoRA runtime bound, doing nothing): interleaved rounds, the median of
+    each, ratios to that base."""
     runtime = adapters.runtime
     saved = runtime.write_tile_deltas, runtime.long_segment_rows
     steps: dict[tuple[str, str], Callable] = {}

@@ -20,9 +20,11 @@ matmuls over contiguous rows, which moves the projection's output at about 1.5x 
 the tile kernels there (2,048 and 8,192 rows). Only in steps wider than any captured CUDA graph
 (`graph_rows`): a graph replays the kernels alone. In eager steps whose base projection is a
 plain `x Wᵀ` at that size (`plain_weight`), `project` writes every adapter row's delta first
-(long runs through cuBLAS, the rest by the expand kernel in write mode), zeroes the base
-model's rows, and the base matmul adds itself onto them (`addmm_`): the output is read once
-inside a compute-bound matmul instead of in a memory-bound pass of its own after it.
+(long runs through cuBLAS, the rest by the expand kernel in write mode, which writes zeros for
+the base model's rows and a graph's padding: tiles of the zero slot), and the base matmul adds
+itself onto them (`addmm_`): the output is read once inside a compute-bound matmul instead of
+in a memory-bound pass of its own after it. CUDA graphs wider than SIDE_SHRINK_MAX_ROWS, and
+those the runner captures for steps of many adapters, do the same.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ LONG_SEGMENT_ROWS = 1024
 # triton on a GPU: CUDA graphs of at most this many rows run the shrink on a side stream beside
 # the base matmul (project): at 64 rows of one adapter, 8B shapes on an H100, 0.77 ms of LoRA a step
 # instead of 0.98 (benchmarks/lora_kernel_ab.py); wider graphs write the deltas first and let the
-# base matmul add onto them (at 128-384 rows of 16 adapters 11-12 % less LoRA time than adding
-# them after it), as do graphs of this size for steps of many adapters (the runner captures
-# both; at 64 rows of 64 adapters 3.6 ms against 4.6, of one adapter 1.0 against 0.79).
+# base matmul add onto them (at 128 and 256 rows of 16 adapters 11 and 16 % less LoRA time than
+# adding them after it), as do graphs of this size for steps of many adapters (the runner
+# captures both; at 64 rows of 64 adapters 3.65 ms against 4.68, of one adapter 1.00 against
+# 0.79).
 SIDE_SHRINK_MAX_ROWS = 64
 
 

@@ -25,6 +25,14 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 BASE = "base"
 
 
+def bucket_for(buckets: Sequence[int], batch_size: int) -> int | None:
+    """The smallest of `buckets` (ascending) holding batch_size rows, or None when too large."""
+    for size in buckets:
+        if size >= batch_size:
+            return size
+    return None
+
+
 class DecodeCudaGraphs:
     """Captured decode steps keyed by batch-size bucket."""
 
@@ -69,10 +77,7 @@ class DecodeCudaGraphs:
 
     def bucket_for(self, batch_size: int) -> int | None:
         """The smallest captured bucket holding batch_size rows, or None when too large."""
-        for size in self.buckets:
-            if size >= batch_size:
-                return size
-        return None
+        return bucket_for(self.buckets, batch_size)
 
     def has(self, variant: str, bucket: int) -> bool:
         return (variant, bucket) in self._graphs

@@ -222,7 +222,7 @@ class CudaModelRunner(BaseModelRunner):
             batch = runtime.batch
             if batch.is_empty:
                 return BASE
-            if len(set(batch.slots)) >= MANY_ADAPTERS and graphs.has(LORA_MANY_GRAPHS, bucket):
+            if len(batch.distinct_slots) >= MANY_ADAPTERS and graphs.has(LORA_MANY_GRAPHS, bucket):
                 return LORA_MANY_GRAPHS
             return LORA_GRAPHS
 

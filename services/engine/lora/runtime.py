@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from services.engine.cuda_graph import bucket_for
 from services.engine.lora.batch import TILE_ROWS, LoRABatch, max_tiles
 from services.engine.lora.read_fences import SlotReadFences
 from services.engine.lora.slots import LoRASlots
@@ -345,11 +346,8 @@ class LoRARuntime:
     def _cover(self, rows: int) -> int:
         """The rows a step of `rows` rows computes: the CUDA graph bucket it may replay, or
         `rows` itself in a step no graph takes."""
-        if rows <= self.graph_rows:
-            for bucket in self.graph_buckets:
-                if bucket >= rows:
-                    return bucket
-        return rows
+        bucket = bucket_for(self.graph_buckets, rows) if rows <= self.graph_rows else None
+        return rows if bucket is None else bucket
 
     def _outside_long_runs(self, rows: int) -> torch.Tensor | None:
         """The rows among the first `rows` in no long run (an index tensor on the slots'

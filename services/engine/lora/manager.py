@@ -153,10 +153,10 @@ class AdapterManager:
     def acquire(self, record: AdapterRecord) -> int | None:
         """Pin a device slot holding `record` (writing it if needed); None: none can be had now.
 
-        When every slot is pinned, the least recently acquired one starts draining (one per
-        adapter waiting): it takes no new pins, so once its running sequences end (or are
-        paused: `slots_to_yield`) a waiting adapter gets it (no adapter waits forever behind a
-        steady stream of requests for resident ones).
+        When every slot is pinned, the one running the fewest sequences (the least recently
+        acquired among equals) starts draining (one per adapter waiting): it takes no new pins,
+        so once its running sequences end (or are paused: `slots_to_yield`) a waiting adapter
+        gets it (no adapter waits forever behind a steady stream of requests for resident ones).
         """
         key = record.key
         if self._refused.get(key) == self._version:
@@ -333,19 +333,27 @@ class AdapterManager:
         return slots
 
     def _drain_for_waiting(self) -> None:
-        """One slot drains per adapter that waits for a slot (the least recently acquired
-        slots first), at most a quarter of the slots at once (at least one): several adapters
-        change places at a time, while most slots keep serving the adapters they hold."""
+        """One slot drains per adapter that waits for a slot, at most a quarter of the slots
+        at once (at least one): several adapters change places at a time, while most slots
+        keep serving the adapters they hold. The slot running the fewest sequences drains
+        first (the least recently acquired among equals): a turn then pauses the fewest
+        sequences, and an adapter busy enough to fill many rows keeps its slot while the
+        rarely used ones take turns on the others (they hold the paused sequences' KV blocks
+        for the shortest total time: `benchmarks.lora_schedule_sim`)."""
         # The cap first: with every draining place taken (the usual case while adapters take
         # turns), a refused ask costs no count of the blocked adapters.
         if len(self._draining) >= self._max_draining:
             return
         if len(self._draining) >= self._num_blocked():
             return
-        for slot in self._slot_order:
-            if slot not in self._draining and not self._reserved(self._slots[slot]):
-                self._draining[slot] = self._clock()
-                return
+        candidates = [
+            slot
+            for slot in self._slot_order
+            if slot not in self._draining and not self._reserved(self._slots[slot])
+        ]
+        if candidates:
+            victim = min(candidates, key=lambda slot: self._slots[slot].pins)
+            self._draining[victim] = self._clock()
 
     def _slot_of(self, key: Key) -> int | None:
         return self._slot_by_key.get(key)

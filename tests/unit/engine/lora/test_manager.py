@@ -226,7 +226,7 @@ def test_limits_are_checked() -> None:
         AdapterManager(max_loras=4, max_cpu_loras=2, load=str, write_slot=lambda *_: None)
 
 
-def test_a_waiting_adapter_drains_the_oldest_slot_instead_of_starving() -> None:
+def test_a_waiting_adapter_drains_a_slot_instead_of_starving() -> None:
     manager, executor, _ = make(max_loras=2, max_cpu_loras=3)
     a, b, c = _load(manager, executor, "a", "b", "c")
     slot_a, slot_b = manager.acquire(a), manager.acquire(b)
@@ -235,8 +235,26 @@ def test_a_waiting_adapter_drains_the_oldest_slot_instead_of_starving() -> None:
     assert manager.acquire(b) == slot_b  # ... b still does
     manager.release(slot_a)  # a's last running sequence ends
     assert manager.acquire(c) == slot_a and manager.draining_slots == ()
-    assert manager.acquire(a) is None  # now a waits for a slot (and drains the oldest: b)
-    assert manager.draining_slots == (slot_b,)
+    # Now a waits for a slot: it drains c's (one sequence), not b's (two).
+    assert manager.acquire(a) is None and manager.draining_slots == (slot_a,)
+
+
+def test_the_slot_running_the_fewest_sequences_drains_first() -> None:
+    manager, executor, _ = make(max_loras=3, max_cpu_loras=4)
+    a, b, c, d = _load(manager, executor, "a", "b", "c", "d")
+    slot_a = manager.acquire(a)
+    for _ in range(3):
+        manager.acquire(a)  # a runs four sequences: least recently acquired, but busy
+    slot_b = manager.acquire(b)
+    manager.acquire(b)  # b runs two
+    slot_c = manager.acquire(c)  # c runs one, acquired last
+    assert manager.acquire(d) is None and manager.draining_slots == (slot_c,)
+    manager.release(slot_c)
+    assert manager.acquire(d) == slot_c
+    for _ in range(2):
+        manager.acquire(d)  # d runs three
+    assert manager.acquire(c) is None and manager.draining_slots == (slot_b,)  # then b, not a
+    assert manager.acquire(a) == slot_a
 
 
 def test_draining_stops_when_the_waiting_adapter_is_gone() -> None:

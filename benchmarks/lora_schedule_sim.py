@@ -7,9 +7,9 @@ turn (holding their KV blocks), what waits for blocks. This drives the real `LLM
 fast path) over `HostOnlyRunner` (benchmarks/engine_host_bench.py), which computes nothing;
 each launched step advances a simulated clock by a modelled step time:
 
-    decode rows × row_us + decode context tokens × kv_token_us + prompt tokens × prompt_us
-    + fixed_ms, and with adapters in the step: lora_fixed_ms (graph or eager)
-    + lora_adapter_ms × distinct adapters + prompt tokens × lora_prompt_us
+    fixed_ms + decode rows × row_us + decode context tokens × kv_token_us
+    + prompt tokens × prompt_us, times lora_factor when the step runs adapters,
+    plus lora_adapter_ms × its distinct adapters (their weights read)
 
 (defaults fitted to `dummy:llama-3-8b` bf16 on an H100: BENCHMARKS.md, "Engine steps on a GPU"
 and "Multi-LoRA step cost"), and a slot write lands `--write-ms` after it is issued. Requests
@@ -65,7 +65,7 @@ class StepModel:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
 
-    def seconds(self, batch: ScheduledBatch, graph_rows: int) -> float:
+    def seconds(self, batch: ScheduledBatch) -> float:
         args = self.args
         decode_rows = prompt_tokens = context = 0
         adapters: set[int] = set()
@@ -85,10 +85,7 @@ class StepModel:
             + prompt_tokens * args.prompt_us / 1e3
         )
         if adapters:
-            eager = prompt_tokens > 0 or decode_rows > graph_rows
-            ms += args.lora_eager_ms if eager else args.lora_graph_ms
-            ms += len(adapters) * args.lora_adapter_ms
-            ms += prompt_tokens * args.lora_prompt_us / 1e3
+            ms = ms * args.lora_factor + len(adapters) * args.lora_adapter_ms
         return ms / 1e3
 
 
@@ -135,7 +132,7 @@ def build_engine(args: argparse.Namespace, clock: Clock, *, lora: bool) -> LLMEn
     launch = runner.launch_greedy
 
     def launch_timed(batch: ScheduledBatch) -> SimpleNamespace:
-        clock.now += model.seconds(batch, args.graph_rows)
+        clock.now += model.seconds(batch)
         return launch(batch)
 
     runner.launch_greedy = launch_timed  # type: ignore[method-assign]
@@ -307,15 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
     add("--block-size", type=int, default=16, help="KV block size, tokens")
     add("--num-blocks", type=int, default=26_480, help="KV blocks")
-    add("--graph-rows", type=int, default=384, help="largest decode batch run as a graph")
     add("--fixed-ms", type=float, default=5.0, help="model: fixed time of a step")
     add("--row-us", type=float, default=16.8, help="model: per decode row")
     add("--kv-token-us", type=float, default=0.0437, help="model: per context token read")
     add("--prompt-us", type=float, default=26.0, help="model: per prompt token")
-    add("--lora-graph-ms", type=float, default=0.6, help="model: LoRA, a decode graph")
-    add("--lora-eager-ms", type=float, default=1.0, help="model: LoRA, an eager step")
-    add("--lora-adapter-ms", type=float, default=0.08, help="model: LoRA, per adapter")
-    add("--lora-prompt-us", type=float, default=3.6, help="model: LoRA, per prompt token")
+    add("--lora-factor", type=float, default=1.2, help="model: a step with adapters, × base")
+    add("--lora-adapter-ms", type=float, default=0.03, help="model: per adapter in a step")
     add("--write-ms", type=float, default=3.0, help="a slot write's copy time")
     add("--seed", type=int, default=0, help="arrivals, prompts and adapter draw")
     add("--out", default=None, help="also write the report here")

@@ -1,0 +1,34 @@
+"""The scheduling simulation runs the real engine on a modelled clock, the same way each time."""
+
+from __future__ import annotations
+
+from benchmarks.lora_schedule_sim import build_parser, run
+
+SMALL = [
+    *("--adapters", "12", "--max-loras", "3", "--rate", "20", "--duration-s", "3"),
+    *("--max-num-seqs", "32", "--prompt-len", "32", "--max-tokens", "24"),
+    *("--num-blocks", "2000", "--saturation-requests", "40"),
+]
+
+
+def test_both_phases_finish_every_request_and_only_the_lora_one_takes_turns() -> None:
+    report = run(build_parser().parse_args(SMALL))
+    base, lora = report["base"], report["lora"]
+    assert report["rate_req_s"] == 20 and base["requests"] == lora["requests"] == 60
+    for phase in (base, lora):
+        assert phase["duration_s"] >= 3.0 * 0.8  # at least the arrivals' span (Poisson)
+        assert 0 < phase["ttft_ms"]["p50"] <= phase["ttft_ms"]["p99"] <= phase["ttft_ms"]["max"]
+        assert phase["preemptions"] == 0 and 0 < phase["mean_kv_used"] < 1
+    assert base["mean_paused"] == 0 and "slot_writes_per_s" not in base
+    assert lora["mean_paused"] > 0 and lora["slot_writes_per_s"] > 0 and lora["pauses_per_s"] > 0
+    # A step with adapters costs more on the modelled clock, so the same work takes longer.
+    assert lora["duration_s"] > base["duration_s"]
+    assert report["lora_over_base_output_tok_s"] < 1
+
+
+def test_a_run_is_a_function_of_its_settings() -> None:
+    args = [*SMALL, "--duration-s", "1"]
+    first = run(build_parser().parse_args(args))
+    assert run(build_parser().parse_args(args)) == first
+    saturation = run(build_parser().parse_args([a for a in args if a not in ("--rate", "20")]))
+    assert saturation["saturation_req_s"] > 0 and "saturation_req_s" not in first

@@ -147,7 +147,12 @@ def compute_bound(shape: Shape, specs: list[RequestSpec], matmul_tflop_s: float)
 
 # ---- offline (child process) ----------------------------------------------------------------
 def run_offline(
-    model: str, count: int, out: Path, device: str = "cuda", target_step_ms: float = 0.0
+    model: str,
+    count: int,
+    out: Path,
+    device: str = "cuda",
+    target_step_ms: float = 0.0,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """The offline part; writes its JSON to `out` after every stage."""
     import torch
@@ -168,7 +173,14 @@ def run_offline(
     result["ceilings"] = measure_ceilings() if on_gpu else {"matmul_tflop_s": 1.0}
     save()
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=model, device=device, target_step_ms=target_step_ms))
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            device=device,
+            target_step_ms=target_step_ms,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+    )
     result["engine_build_s"] = round(time.perf_counter() - started, 2)
     print(f"offline engine built in {result['engine_build_s']}s", flush=True)
     warm = engine.warm_up()
@@ -315,7 +327,10 @@ def run_stack(args: argparse.Namespace, report: dict[str, Any], save) -> None:
     config = StackConfig(
         model=args.model,
         port=free_port(),
-        engine_args=("--device", args.device, "--target-step-ms", str(args.target_step_ms)),
+        engine_args=(
+            *("--device", args.device, "--target-step-ms", str(args.target_step_ms)),
+            *("--kv-cache-dtype", args.kv_cache_dtype),
+        ),
         router_args=("--max-queue-delay-s", str(args.max_queue_delay_s), "--log-level", "WARNING"),
         log_dir=log_dir,
         startup_timeout_s=400.0,
@@ -480,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting phases after")
     parser.add_argument("--out", type=Path, default=None, help="JSON (default by GPU name)")
     parser.add_argument("--plots-dir", type=Path, default=None, help="harness reports + plots")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="the engines' KV cache: auto or fp8"
+    )
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-stack", action="store_true")
     parser.add_argument("--offline-child", type=Path, default=None, help=argparse.SUPPRESS)
@@ -491,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             args.offline_child,
             args.device,
             args.offline_target_step_ms,
+            args.kv_cache_dtype,
         )
         return 0
     _DEADLINE[0] = time.monotonic() + args.budget_s
@@ -510,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_queue_delay_s": args.max_queue_delay_s,
         "target_step_ms": args.target_step_ms,
         "offline_target_step_ms": args.offline_target_step_ms,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "overload_admitted_p99_ttft_s": None,
         "overload_goodput_over_saturation": None,
         "router_cpu_us_per_token": None,
@@ -534,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "-m", "benchmarks.gpu_stack", "--model", args.model]
         command += ["--num-requests", str(args.num_requests), "--device", args.device]
         command += ["--offline-target-step-ms", str(args.offline_target_step_ms)]
+        command += ["--kv-cache-dtype", args.kv_cache_dtype]
         command += ["--offline-child", str(child_out)]
         started = time.perf_counter()
         try:

@@ -23,6 +23,7 @@ from services.engine.lora.config import (
 )
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8")
 FORWARD_THREAD_POLICIES = ("normal", "idle")
 # Forward backends a tensor-parallel group runs (the exported graphs hold no collectives).
 TENSOR_PARALLEL_BACKENDS = ("torch", "cuda")
@@ -48,6 +49,13 @@ class EngineConfig:
         "else float32), float32, float16, bfloat16",
     )
     block_size: int = field(16, help="tokens per KV cache block")
+    kv_cache_dtype: str = field(
+        "auto",
+        help="KV cache element type: auto (the model's dtype) or fp8 (float8 e4m3, one byte: "
+        "twice the tokens of a bf16 cache in the same memory and half the bytes each decode "
+        "step reads; keys and values rounded to 3 mantissa bits and clamped to +-448, no "
+        "scales; CUDA with Triton attention only)",
+    )
     kv_cache_bytes: int | None = field(
         None, help="bytes of KV cache (default: the model runner's choice for the device)"
     )
@@ -155,6 +163,20 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _positive_int("block_size", self.block_size)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidArgumentError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "fp8" and self.backend not in ("torch", "cuda"):
+            raise InvalidArgumentError(
+                f"kv_cache_dtype fp8 needs the engine's Triton attention: backend torch or "
+                f"cuda on a GPU, not {self.backend!r}"
+            )
+        if self.kv_cache_dtype == "fp8" and self.device == "cpu":
+            raise InvalidArgumentError(
+                "kv_cache_dtype fp8 needs a CUDA device: the CPU path reads a cache of the "
+                "model's dtype"
+            )
         if self.block_size & (self.block_size - 1):
             raise InvalidArgumentError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes is not None:

@@ -132,6 +132,10 @@ class CudaModelRunner(BaseModelRunner):
             return "Triton is not installed"
         return fast_path_unsupported(self.model_config)
 
+    def _reads_narrow_kv(self) -> bool:
+        # The fast path's attention and backend cuda's are the Triton kernels (paged_kv).
+        return self.fast is not None or self.backend_name == "cuda"
+
     def _bind_kernels(self) -> str:
         reason = self._why_not_fast()
         if reason is not None:

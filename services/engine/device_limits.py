@@ -114,9 +114,10 @@ def plan_limits(
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     rates: DeviceRates | None = None,
+    kv_dtype_bytes: int | None = None,
 ) -> StepLimits:
     """The step limits for a device of `total_memory_bytes` (and `rates`, where measured);
-    explicit values are kept."""
+    explicit values are kept. `kv_dtype_bytes`: a KV cache element (default: the model's)."""
     if device_type != "cuda":
         seqs = max_num_seqs or CPU_MAX_NUM_SEQS
         tokens = max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS
@@ -145,7 +146,7 @@ def plan_limits(
             tokens //= 2
     seqs = max_num_seqs or tier_seqs
     kv_tokens = (usable - weights - activation_bytes(shape, tokens, seqs, dtype_bytes)) // max(
-        kv_bytes_per_token(shape, dtype_bytes), 1
+        kv_bytes_per_token(shape, kv_dtype_bytes or dtype_bytes), 1
     )
     if max_num_seqs is None:
         while seqs > MIN_NUM_SEQS and seqs * MIN_TOKENS_PER_SEQUENCE > kv_tokens:
@@ -185,6 +186,7 @@ def resolve_limits(config: EngineConfig, model_config, device: str) -> tuple[Eng
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             rates=rates,
+            kv_dtype_bytes=1 if config.kv_cache_dtype == "fp8" else dtype_bytes,
         )
     else:
         limits = StepLimits(

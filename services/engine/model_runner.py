@@ -116,6 +116,7 @@ class BaseModelRunner:
         device: str = "cpu",
         dtype: torch.dtype | None = None,
         block_size: int = 16,
+        kv_cache_dtype: str = "auto",
         kv_cache_bytes: int | None = None,
         gpu_memory_utilization: float = 0.85,
         max_model_len: int | None = None,
@@ -130,6 +131,11 @@ class BaseModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.block_size = block_size
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
+        if self.kv_dtype != self.dtype and self.device.type != "cuda":
+            raise InvalidArgumentError(
+                f"kv_cache_dtype {kv_cache_dtype} needs a CUDA device, not {self.device}"
+            )
         full_config = load_model_config(model_files, max_model_len)
         self.model_config = full_config
         if tensor_parallel is not None:  # this rank's heads and MLP width
@@ -154,7 +160,7 @@ class BaseModelRunner:
         self.kv_cache = KVCache.allocate(
             config,
             block_size=block_size,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
             kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -164,13 +170,19 @@ class BaseModelRunner:
             self.num_blocks = tensor_parallel.agree_num_blocks(self.num_blocks)
         self.model.bind_attention(self.backend, self.kv_cache.layers)
         extras = self._bind_kernels()
+        if self.kv_dtype != self.dtype and not self._reads_narrow_kv():
+            raise FailedPreconditionError(
+                f"kv_cache_dtype {kv_cache_dtype} needs the Triton attention of the CUDA fast "
+                f"path or backend cuda, which this model does not run"
+            )
         logger.info(
-            "model %s on %s (%s): %d KV blocks of %d tokens, backend %s%s",
+            "model %s on %s (%s): %d KV blocks of %d tokens%s, backend %s%s",
             config.name,
             self.device,
             self.dtype,
             self.num_blocks,
             block_size,
+            f" ({self.kv_dtype})" if self.kv_dtype != self.dtype else "",
             backend,
             f", {extras}" if extras else "",
         )
@@ -185,6 +197,11 @@ class BaseModelRunner:
     def _bind_kernels(self) -> str:
         """After cache and attention are bound; returns what to add to the start-up line."""
         return ""
+
+    def _reads_narrow_kv(self) -> bool:
+        """Whether every attention this runner runs reads a KV cache narrower than the model's
+        dtype (kv_cache_dtype fp8), converting each tile as it loads it."""
+        return False
 
     # ---- LoRA -----------------------------------------------------------------------------
     def lora_max_rows(self, config: EngineConfig) -> int:
@@ -340,12 +357,22 @@ def runner_arguments(config: EngineConfig) -> dict[str, Any]:
         device=config.resolved_device(),
         dtype=None if config.dtype == "auto" else getattr(torch, config.dtype),
         block_size=config.block_size,
+        kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_bytes=config.kv_cache_bytes,
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=config.max_model_len,
         backend=config.backend,
         seed=config.seed,
     )
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for the `kv_cache_dtype` setting."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    raise InvalidArgumentError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
 
 
 def cpu_has_native_bfloat16() -> bool:

@@ -60,6 +60,37 @@ def test_prefill_and_graph_decode_match_torch_model(runner) -> None:
     assert runner.graph_steps == graphs_before + 8  # 3 rows ran in the 4-row bucket
 
 
+def test_an_fp8_kv_cache_holds_twice_the_blocks_and_follows_the_bf16_cache(runner) -> None:
+    from services.engine.cuda_runner import CudaModelRunner
+
+    fp8 = CudaModelRunner(
+        _files(), device="cuda", max_model_len=512, kv_cache_bytes=64 << 20, max_num_seqs=8,
+        kv_cache_dtype="fp8",
+    )  # fmt: skip
+    assert fp8.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn and fp8.fast is not None
+    assert fp8.num_blocks == 2 * runner.num_blocks  # same bytes, one byte an element
+    generator = torch.Generator().manual_seed(6)
+    lengths = [45, 120, 9]
+    prompts = [torch.randint(0, 40000, (n,), generator=generator).tolist() for n in lengths]
+    tables = [[60 + 4 * j + i for j in range(8)] for i in range(3)]  # the same weights (seed 0)
+    batch = ScheduledBatch([ScheduledSequence(i, prompts[i], 0, tables[i], True) for i in range(3)])
+    # The same step on each runner: logits within float8's rounding of keys and values.
+    errors = [_error(fp8.execute(batch), runner.execute(batch).clone())]
+    positions = list(lengths)
+    for step in range(3):  # decode steps through the graphs, reading the float8 cache
+        decode = ScheduledBatch(
+            [
+                ScheduledSequence(i, [prompts[i][step]], positions[i], tables[i], True)
+                for i in range(3)
+            ]
+        )
+        errors.append(_error(fp8.execute(decode).clone(), runner.execute(decode).clone()))
+        positions = [p + 1 for p in positions]
+    assert all(1e-4 < error < 0.15 for error in errors), errors
+    del fp8
+    torch.cuda.empty_cache()
+
+
 def test_chunk_without_logits_still_fills_the_cache(runner) -> None:
     generator = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, 40000, (50,), generator=generator).tolist()

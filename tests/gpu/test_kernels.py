@@ -12,6 +12,7 @@ from services.engine.kernels import reference
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn  # kv_cache_dtype fp8
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -22,7 +23,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def paged_setup(
     seq_lens, query_lens, num_heads, kv_heads, head_dim, block_size, generator,
-    device=DEVICE, dtype=DTYPE,
+    device=DEVICE, dtype=DTYPE, cache_dtype=None,
 ):  # fmt: skip
     """Random caches, shuffled block tables and metadata for sequences of the given lengths."""
     blocks_needed = [-(-length // block_size) for length in seq_lens]
@@ -34,8 +35,8 @@ def paged_setup(
         tables[index, :count] = permutation[used : used + count].to(torch.int32)
         used += count
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
-    value_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype or dtype).to(device)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype or dtype).to(device)
     starts = [0]
     for length in query_lens:
         starts.append(starts[-1] + length)
@@ -103,19 +104,51 @@ def test_rotary_kv_store_matches_reference(heads: int, kv_heads: int, head_dim: 
     assert torch.equal(flat_value[written], flat_ref_value[written])
 
 
+def test_rotary_kv_store_into_a_float8_cache_rounds_and_saturates() -> None:
+    from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
+
+    tokens, heads, kv_heads, head_dim, block_size, num_blocks = 29, 32, 8, 128, 16, 4
+    qkv = 4 * torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=DTYPE)
+    query, key, value = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    value[0, :5] = torch.tensor([1000.0, -1000.0, 448.0, 500.0, 3e4], dtype=DTYPE)
+    positions = torch.randint(0, 4000, (tokens,), device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    cos, sin = reference.rotary_cos_sin(head_dim, 4096, 500000.0, DEVICE)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache = torch.zeros(shape, device=DEVICE, dtype=FP8)
+    value_cache = torch.zeros(shape, device=DEVICE, dtype=FP8)
+    rotary_kv_store(query, key, value, positions, cos, sin, slots, key_cache, value_cache)
+    k3 = reference.apply_rotary_ref(key.reshape(tokens, kv_heads, head_dim), positions, cos, sin)
+    v3 = value.reshape(tokens, kv_heads, head_dim)
+    stored_k = key_cache.flatten(0, 1).float()[slots.long()]
+    stored_v = value_cache.flatten(0, 1).float()[slots.long()]
+    assert torch.isfinite(stored_k).all() and torch.isfinite(stored_v).all()
+    # Values are exact once in bf16 and in range: rounded to float8 alone.
+    in_range = v3.float().abs() <= 448
+    assert torch.equal(stored_v[in_range], v3.float()[in_range].to(FP8).float())
+    assert stored_v[0, 0, :5].tolist() == [448.0, -448.0, 448.0, 448.0, 448.0]
+    # Keys are rotated in float32 first: within float8's rounding of the bf16 reference.
+    assert _relative_error(stored_k, k3.float().clamp(-448, 448)) < 4e-2
+
+
 @pytest.mark.parametrize("seq_lens", [[1, 17, 300, 2048], [5000], [64, 0, 129]])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (32, 8, 64), (8, 8, 64)])
-def test_decode_attention_matches_reference(seq_lens, heads, kv_heads, head_dim) -> None:
+@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8])
+def test_decode_attention_matches_reference(seq_lens, heads, kv_heads, head_dim, cache_dtype):
     from services.engine.kernels.triton.decode_attention import paged_decode_attention
 
     generator = torch.Generator().manual_seed(sum(seq_lens) + heads)
     lengths_for_blocks = [max(1, length) for length in seq_lens]
     query, key_cache, value_cache, tables, starts, lens = paged_setup(
-        lengths_for_blocks, [1] * len(seq_lens), heads, kv_heads, head_dim, 16, generator
-    )
+        lengths_for_blocks, [1] * len(seq_lens), heads, kv_heads, head_dim, 16, generator,
+        cache_dtype=cache_dtype,
+    )  # fmt: skip
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
-    ref = reference.paged_attention_ref(query, key_cache, value_cache, tables, starts, lens, scale)
+    # The reference reads the cache widened to bf16 (exact for float8): the kernel must too.
+    ref = reference.paged_attention_ref(
+        query, key_cache.to(DTYPE), value_cache.to(DTYPE), tables, starts, lens, scale
+    )
     counters = torch.zeros(len(seq_lens) * kv_heads, dtype=torch.int32, device=DEVICE)
     for splits in (None, 1, 7, 32):
         for merge_counters in (None, counters, counters):  # twice: the counters re-arm
@@ -135,18 +168,23 @@ def test_decode_attention_matches_reference(seq_lens, heads, kv_heads, head_dim)
     [([100], [100]), ([300, 7, 1000], [44, 7, 1000]), ([2048, 50, 513], [1, 50, 200])],
 )
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 4, 64)])
-def test_prefill_attention_matches_reference(seq_lens, query_lens, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("cache_dtype", [DTYPE, FP8])
+def test_prefill_attention_matches_reference(
+    seq_lens, query_lens, heads, kv_heads, head_dim, cache_dtype
+):
     from services.engine.kernels.triton.prefill_attention import paged_prefill_attention
 
     generator = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     query, key_cache, value_cache, tables, starts, lens = paged_setup(
-        seq_lens, query_lens, heads, kv_heads, head_dim, 16, generator
+        seq_lens, query_lens, heads, kv_heads, head_dim, 16, generator, cache_dtype=cache_dtype
     )
     scale = head_dim**-0.5
     out = paged_prefill_attention(
         query, key_cache, value_cache, tables, starts, lens, max(query_lens), scale
     )
-    ref = reference.paged_attention_ref(query, key_cache, value_cache, tables, starts, lens, scale)
+    ref = reference.paged_attention_ref(
+        query, key_cache.to(DTYPE), value_cache.to(DTYPE), tables, starts, lens, scale
+    )
     assert _relative_error(out, ref) < 2e-2
 
 

@@ -43,6 +43,15 @@ def test_an_80gb_card_takes_512_sequences_and_8k_tokens():
     assert "KV tokens" in limits.reason
 
 
+def test_a_one_byte_kv_cache_counts_twice_the_tokens():
+    bf16, fp8 = plan(79.6), plan(79.6, kv_dtype_bytes=1)
+    tokens = [
+        int(limits.reason.split("about ")[1].split(" KV")[0].replace(",", ""))
+        for limits in (bf16, fp8)
+    ]
+    assert abs(tokens[1] - 2 * tokens[0]) <= 1  # whole tokens of each
+
+
 def test_smaller_cards_take_less_and_a_tight_cache_cuts_sequences():
     mid = plan(24)
     assert mid.max_num_batched_tokens <= 4096 and mid.max_num_seqs <= 256

@@ -35,6 +35,9 @@ def test_defaults_suit_the_cpu():
         ({"max_model_len": 1}, "max_model_len"),
         ({"seed": -3}, "seed"),
         ({"model": "  "}, "model"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
+        ({"kv_cache_dtype": "fp8", "device": "cpu"}, "kv_cache_dtype fp8 needs a CUDA device"),
+        ({"kv_cache_dtype": "fp8", "backend": "onnxruntime"}, "Triton attention"),
     ],
 )
 def test_bad_values_are_refused_with_the_field_named(fields, message):

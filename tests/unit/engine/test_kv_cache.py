@@ -21,6 +21,19 @@ CONFIG = ModelConfig.from_dict(dummy_config("tiny"), name="tiny")  # 2 layers, 2
 def test_bytes_per_block_counts_keys_values_layers() -> None:
     assert bytes_per_block(CONFIG, 16, torch.float32) == 2 * 2 * 16 * 2 * 16 * 4
     assert bytes_per_block(CONFIG, 16, torch.bfloat16) == 2 * 2 * 16 * 2 * 16 * 2
+    assert bytes_per_block(CONFIG, 16, torch.float8_e4m3fn) == 2 * 2 * 16 * 2 * 16  # fp8
+
+
+def test_a_float8_cache_holds_twice_the_blocks_of_a_bf16_one_in_the_same_bytes() -> None:
+    budget = bytes_per_block(CONFIG, 16, torch.bfloat16) * 7
+    caches = [
+        KVCache.allocate(
+            CONFIG, block_size=16, dtype=dtype, device=torch.device("cpu"), kv_cache_bytes=budget
+        )
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn)
+    ]
+    assert [cache.num_blocks for cache in caches] == [7, 14]
+    assert caches[1].layers[0][0].dtype == torch.float8_e4m3fn
 
 
 def test_allocation_fills_the_budget_with_whole_blocks() -> None:

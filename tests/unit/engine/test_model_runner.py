@@ -253,3 +253,14 @@ def test_native_cpu_kernels_match_pytorch_ops(shape: str, block_size: int) -> No
         expected = plain.execute(step(plain_blocks, pieces))
         got = native.execute(step(native_blocks, pieces))
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_float8_kv_cache_is_refused_off_cuda_before_any_weight_is_built(monkeypatch) -> None:
+    import services.engine.model_runner as model_runner
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("weights built before the KV cache's dtype was checked")
+
+    monkeypatch.setattr(model_runner, "build_model", no_build)
+    with pytest.raises(InvalidArgumentError, match="kv_cache_dtype fp8 needs a CUDA device"):
+        CpuModelRunner(resolve_model("dummy:tiny"), kv_cache_dtype="fp8", kv_cache_bytes=1 << 20)

@@ -89,6 +89,7 @@ def _decode_split_kernel(
             dims,
             HEAD_DIM,
             BLOCK_SIZE,
+            q.dtype,
         )
         scores = tl.dot(q, tl.trans(k)) * scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))

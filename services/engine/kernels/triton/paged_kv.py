@@ -4,6 +4,8 @@ an output buffer they are given).
 A tile is BLOCK_N consecutive token positions of one sequence; each position is found through
 the sequence's block table (slot = block * BLOCK_SIZE + offset) in caches laid out
 [num_blocks, block_size, num_kv_heads, head_dim]. Positions past `token_mask` read zeros.
+Tiles come back as COMPUTE (the query's type): a float8 cache (kv_cache_dtype fp8) is widened
+as it is loaded, so the dots run in the model's dtype on half the bytes read.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def load_kv_tile(
     dims,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
     blocks = tl.load(
         block_tables_ptr + seq * block_table_stride + tokens // BLOCK_SIZE,
@@ -48,4 +51,4 @@ def load_kv_tile(
     offsets = slots[:, None] * slot_stride + kv_head * HEAD_DIM + dims[None, :]
     k = tl.load(key_cache_ptr + offsets, mask=token_mask[:, None], other=0.0)
     v = tl.load(value_cache_ptr + offsets, mask=token_mask[:, None], other=0.0)
-    return k, v
+    return k.to(COMPUTE), v.to(COMPUTE)

@@ -84,6 +84,7 @@ def _prefill_kernel(
             dims,
             HEAD_DIM,
             BLOCK_SIZE,
+            q.dtype,
         )
         scores = tl.dot(q, tl.trans(k)) * scale_log2
         visible = token_mask[None, :] & (tokens[None, :] <= query_positions[:, None])

@@ -4,7 +4,8 @@ Reads q, k, v of a token once (views into the fused QKV projection output are fi
 token stride is taken), rotates q and k by the token's position (Llama's rotate-half
 convention, float32 cos/sin tables) and writes rotated q to a contiguous [T, heads, head_dim]
 tensor and rotated k plus v into the cache slot `slot_mapping[t]` (slot < 0: padding, skipped).
-With `rotate=False` it is the plain KV-cache store.
+With `rotate=False` it is the plain KV-cache store. Into a float8 cache (kv_cache_dtype fp8)
+keys and values are clamped to float8 e4m3's range (+-448) before they are rounded.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import triton
 import triton.language as tl
 
 from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+
+FP8_MAX = tl.constexpr(448.0)  # float8 e4m3 (fn)'s largest finite value
 
 
 @triton.jit
@@ -73,6 +76,11 @@ def _rotary_kv_store_kernel(
         v2 = tl.load(v_ptr + token * kv_stride + kv_offsets + half, mask=kv_mask, other=0.0)
         cache_base = slot * num_kv_heads * HEAD_DIM + kv_offsets
         element = key_cache_ptr.dtype.element_ty
+        if element == tl.float8e4nv:  # kv_cache_dtype fp8: saturate, never NaN past its range
+            k1 = tl.clamp(k1, -FP8_MAX, FP8_MAX)
+            k2 = tl.clamp(k2, -FP8_MAX, FP8_MAX)
+            v1 = tl.clamp(v1.to(tl.float32), -FP8_MAX, FP8_MAX)
+            v2 = tl.clamp(v2.to(tl.float32), -FP8_MAX, FP8_MAX)
         tl.store(key_cache_ptr + cache_base, k1.to(element), mask=kv_mask)
         tl.store(key_cache_ptr + cache_base + half, k2.to(element), mask=kv_mask)
         tl.store(value_cache_ptr + cache_base, v1.to(element), mask=kv_mask)

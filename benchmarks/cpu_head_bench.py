@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lambda x=hidden: packed_linear(x, packed),
         )
         greedy, logits, onednn_argmax, onednn = (_ms(call, args.repeats) for call in calls)
-        print(f"{rows:>5} {greedy:>8.2f} {logits:>8.2f} {onednn_argmax:>14.2f} {onednn:>8.2f}")
+        print(f"{rows:>5} {greedy:>8.3g} {logits:>8.3g} {onednn_argmax:>14.3g} {onednn:>8.3g}")
     return 0
 
 

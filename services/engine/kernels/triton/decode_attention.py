@@ -243,7 +243,9 @@ def paged_decode_attention(
         GROUP_P=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=64,
+        # A float8 cache's 128-byte rows: one split walks them in larger tiles (H100, 384
+        # sequences of 640 tokens: 0.23 ms a layer against 0.27 at 64; bf16 alike either way).
+        BLOCK_N=128 if key_cache.element_size() == 1 and num_splits == 1 else 64,
         MODE=mode,
         num_warps=4,
         num_stages=2,

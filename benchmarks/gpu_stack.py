@@ -13,7 +13,9 @@ input and output lengths). Greedy, EOS ignored. In order:
    drives it. The compute bound of a set is its matmul FLOPs (every processed token through
    every layer, the LM head for every generated token) plus its attention FLOPs (causal QK^T and
    PV), over the measured matmul rate; `offline_over_compute_bound` is the compute-bound time
-   over the measured time.
+   over the measured time. Each set's `schedule_floor` prices the engine's own schedule at the
+   run's matmul and copy rates (weights and KV reads counted: benchmarks/schedule_floor.py);
+   `offline_over_schedule_floor` is that floor over the measured time.
 2. The stack (`sluice up --no-ray --no-redis` as a Stack in this process, engine on CUDA,
    router with `--max-queue-delay-s`), fresh: a low Poisson rate first (the slowest and the
    mean of the first 10 requests' time to first token against the p50 of the rest), then each
@@ -216,6 +218,7 @@ def run_offline(
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
         bound = compute_bound(shape, specs, matmul_rate)
+        floor = _schedule_floor(shape, specs, result, kv_cache_dtype)
         result[name] = {
             "requests": len(specs),
             "input_tokens": sum(s.input_tokens for s in specs),
@@ -228,9 +231,29 @@ def run_offline(
             "preemptions": engine.num_preemptions,
             **bound,
             "over_compute_bound": round(bound["bound_s"] / elapsed, 3),
+            "schedule_floor": floor,
+            "over_schedule_floor": floor and round(floor["floor_s"] / elapsed, 3),
         }
         save()
         print(name, json.dumps(result[name]), flush=True)
+
+
+def _schedule_floor(
+    shape: Shape, specs: list[RequestSpec], result: dict[str, Any], kv_cache_dtype: str
+) -> dict[str, Any] | None:
+    """The set's floor on the engine's schedule at the run's ceilings (None without a copy
+    rate: a CPU smoke run)."""
+    from benchmarks.schedule_floor import schedule_floor
+
+    if "copy_gb_s" not in result["ceilings"]:
+        return None
+    return schedule_floor(
+        shape,
+        specs,
+        engine=result["engine"],
+        ceilings=result["ceilings"],
+        kv_element_bytes=1 if kv_cache_dtype == "fp8" else 2,
+    )
 
 
 def percentiles_ms(seconds: list[float]) -> dict[str, float]:
@@ -448,6 +471,7 @@ def headline(report: dict[str, Any]) -> None:
     report["offline_over_compute_bound"] = offline.get("over_compute_bound")
     sharegpt = report.get("offline", {}).get("sharegpt", {})
     report["offline_sharegpt_over_compute_bound"] = sharegpt.get("over_compute_bound")
+    report["offline_over_schedule_floor"] = offline.get("over_schedule_floor")
     stack = report.get("stack", {})
     for name, key in (
         ("fixed", "stack_over_offline_tok_s"),
@@ -524,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "offline_over_compute_bound": None,
         "offline_output_tok_s": None,
+        "offline_over_schedule_floor": None,
         "stack_over_offline_tok_s": None,
         "first10_ttft_over_p50": None,
         "max_queue_delay_s": args.max_queue_delay_s,
@@ -570,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     keys = [
         "device", "offline_output_tok_s", "offline_over_compute_bound",
+        "offline_over_schedule_floor",
         "offline_sharegpt_over_compute_bound", "stack_over_offline_tok_s",
         "stack_over_offline_sharegpt", "first10_ttft_over_p50", "first10_ttft_mean_over_p50",
         "max_queue_delay_s", "target_step_ms", "offline_target_step_ms",

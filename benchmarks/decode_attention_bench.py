@@ -4,9 +4,9 @@ One layer's decode attention of `--batch` sequences of `--context` cached tokens
 (`dummy:llama-3-8b`'s 32 query heads over 8 KV heads of 128, blocks of 16 tokens scattered
 through the cache), timed by `triton.testing.do_bench` for each cache type: the kernel as the
 engine launches it (`paged_decode_attention`), then every setting of the split kernel in a
-sweep (splits, tokens a tile, warps, pipeline stages), each checked against the engine's
-launch. Prints, per cache type, the engine's launch and the fastest settings: ms a layer, the
-cache bytes read over that time (TB/s) and the relative difference of the output.
+sweep (splits, tokens a tile: 32 to 256, warps, pipeline stages), each checked against the
+engine's launch. Prints, per cache type, the engine's launch and the fastest settings: ms a
+layer, the cache bytes read over that time (TB/s) and the relative difference of the output.
 
     python -m benchmarks.decode_attention_bench --out decode-attention.json
 """
@@ -17,6 +17,7 @@ import argparse
 import datetime
 import itertools
 import json
+import sys
 from typing import Any
 
 _LOG2E = 1.4426950408889634
@@ -106,7 +107,7 @@ def time_cache(setup: _Setup, dtype) -> dict[str, Any]:
 
     entry: dict[str, Any] = {"engine": figures(do_bench(engine_launch, warmup=10, rep=50), want)}
     entry["sweep"] = {}
-    for setting in itertools.product((1, 2, 4), (32, 64, 128), (4, 8), (2, 3, 4)):
+    for setting in itertools.product((1, 2, 4), (32, 64, 128, 256), (4, 8), (2, 3, 4)):
         out = torch.empty_like(setup.query)
         name = "splits {}, tile {}, warps {}, stages {}".format(*setting)
         launch = _split_launch(setup, key_cache, value_cache, out, setting)
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("decode_attention_bench needs a CUDA device")
+        print("decode_attention_bench needs a CUDA device", file=sys.stderr)
         return 2
     report = run(args)
     if args.out:

@@ -218,7 +218,6 @@ def run_offline(
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
         bound = compute_bound(shape, specs, matmul_rate)
-        floor = _schedule_floor(shape, specs, result, kv_cache_dtype)
         result[name] = {
             "requests": len(specs),
             "input_tokens": sum(s.input_tokens for s in specs),
@@ -231,29 +230,22 @@ def run_offline(
             "preemptions": engine.num_preemptions,
             **bound,
             "over_compute_bound": round(bound["bound_s"] / elapsed, 3),
-            "schedule_floor": floor,
-            "over_schedule_floor": floor and round(floor["floor_s"] / elapsed, 3),
         }
         save()
         print(name, json.dumps(result[name]), flush=True)
 
 
-def _schedule_floor(
-    shape: Shape, specs: list[RequestSpec], result: dict[str, Any], kv_cache_dtype: str
-) -> dict[str, Any] | None:
-    """The set's floor on the engine's schedule at the run's ceilings (None without a copy
-    rate: a CPU smoke run)."""
-    from benchmarks.schedule_floor import schedule_floor
+def add_schedule_floors(offline: dict[str, Any], model: str, kv_cache_dtype: str) -> None:
+    """Each timed set's floor on the engine's schedule at the run's ceilings
+    (benchmarks/schedule_floor.py), computed here, after the offline child has ended, so that
+    nothing runs beside the timed engine. Not on a CPU smoke run (no copy rate)."""
+    from benchmarks.schedule_floor import floors_of_report
 
-    if "copy_gb_s" not in result["ceilings"]:
-        return None
-    return schedule_floor(
-        shape,
-        specs,
-        engine=result["engine"],
-        ceilings=result["ceilings"],
-        kv_element_bytes=1 if kv_cache_dtype == "fp8" else 2,
-    )
+    if "copy_gb_s" not in offline.get("ceilings", {}) or "engine" not in offline:
+        return
+    for name, floor in floors_of_report(offline, model, kv_cache_dtype).items():
+        offline[name]["schedule_floor"] = floor
+        offline[name]["over_schedule_floor"] = floor["measured_over_floor"]
 
 
 def percentiles_ms(seconds: list[float]) -> dict[str, float]:
@@ -589,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         report["offline"] = json.loads(child_out.read_text()) if child_out.is_file() else {}
         report["offline"]["exit_status"] = status
         report["offline"]["wall_s"] = round(time.perf_counter() - started, 1)
+        add_schedule_floors(report["offline"], args.model, args.kv_cache_dtype)
         save()
     if not args.skip_stack:
         run_stack(args, report, save)

@@ -28,7 +28,7 @@ echo "== multi_gpu: exit $? after $((SECONDS - started)) s"
 grep -v "^ *$" "$OUT/multi-gpu.log" | tail -n 30
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   # One pytest process per file: the 70B test needs the GPUs to itself.
-  for name in test_tensor_parallel test_tensor_parallel_70b; do
+  for name in test_tensor_parallel test_tensor_parallel_fp8 test_tensor_parallel_70b; do
     started=$SECONDS
     timeout "${TEST_TIMEOUT:-240}" "$PYTHON" -m pytest "tests/gpu/$name.py" -q -p no:cacheprovider \
       --durations=5 -rA -o faulthandler_timeout=200 > "$OUT/$name.log" 2>&1

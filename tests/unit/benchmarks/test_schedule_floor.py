@@ -83,3 +83,23 @@ def test_the_command_reads_a_gpu_stack_report_and_writes_the_floors(tmp_path, ca
     assert "gpu-stack-test fixed: measured 50.00 s" in capsys.readouterr().out
     (tmp_path / "other.json").write_text("{}")
     assert main([str(tmp_path / "other.json")]) == 2
+
+
+def test_gpu_stack_adds_the_floors_after_its_offline_child_but_not_on_a_cpu_smoke_run():
+    from benchmarks.gpu_stack import add_schedule_floors, headline
+
+    offline = {
+        "ceilings": {"matmul_tflop_s": 1e-3, "copy_gb_s": 1.0},
+        "engine": {**ENGINE, "max_num_batched_tokens": 1024},
+        "fixed": {"requests": 2, "seconds": 40.0, "steps": 260, "output_tok_s": 12.8},
+    }
+    add_schedule_floors(offline, "dummy:tiny", "auto")
+    floor = offline["fixed"]["schedule_floor"]
+    assert floor["steps"] == 256  # both 512-token prompts in the first step, then 255 decodes
+    assert offline["fixed"]["over_schedule_floor"] == floor["measured_over_floor"]
+    report = {"offline": offline}
+    headline(report)
+    assert report["offline_over_schedule_floor"] == offline["fixed"]["over_schedule_floor"]
+    smoke = {"ceilings": {"matmul_tflop_s": 1.0}, "fixed": {"requests": 2, "seconds": 1.0}}
+    add_schedule_floors(smoke, "dummy:tiny", "auto")
+    assert "schedule_floor" not in smoke["fixed"]

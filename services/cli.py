@@ -179,6 +179,13 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
         "time within it, bounding time per output token under load (default: 0, off)",
     )
     up.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        help="engines: KV cache element type; fp8 (CUDA fast path) holds twice the tokens and "
+        "halves each decode step's KV reads, rounding keys and values (default: auto, the "
+        "model's dtype)",
+    )
+    up.add_argument(
         "--tensor-parallel-size",
         type=int,
         help="engines: GPUs each engine splits the model over (default 1); one engine per "
@@ -239,6 +246,7 @@ def run_up(namespace: argparse.Namespace, extra_router_args: Sequence[str]) -> i
             "kv_cache_bytes",
             "max_num_seqs",
             "target_step_ms",
+            "kv_cache_dtype",
             "device",
             "backend",
             "adapter_root",

@@ -180,6 +180,8 @@ def test_up_builds_the_stack_config(
             "1000",
             "--target-step-ms",
             "40",
+            "--kv-cache-dtype",
+            "fp8",
             "--shutdown-grace-s",
             "3",
             "--stop-grace-s",
@@ -198,6 +200,8 @@ def test_up_builds_the_stack_config(
         "1000",
         "--target-step-ms",
         "40.0",
+        "--kv-cache-dtype",
+        "fp8",
         "--max-model-len",
         "256",
     )

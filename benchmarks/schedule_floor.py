@@ -146,8 +146,11 @@ def floors_of_report(offline: dict[str, Any], model: str, kv_cache_dtype: str) -
     the compute bound against it."""
     from services.common.protocol.dummy_shapes import dummy_config
 
+    count = offline_requests(offline)
+    if count is None:
+        return {}
     shape = Shape.of(dummy_config(model.removeprefix("dummy:")))
-    sets = request_sets(offline_requests(offline))
+    sets = request_sets(count)
     result: dict[str, Any] = {}
     for name, specs in sets.items():
         measured = offline.get(name)
@@ -171,9 +174,10 @@ def floors_of_report(offline: dict[str, Any], model: str, kv_cache_dtype: str) -
     return result
 
 
-def offline_requests(offline: dict[str, Any]) -> int:
-    """How many requests a set of the report's offline part had."""
-    return next(offline[name]["requests"] for name in ("fixed", "sharegpt") if name in offline)
+def offline_requests(offline: dict[str, Any]) -> int | None:
+    """How many requests a set of the report's offline part had (None: no set was timed)."""
+    counts = [offline[name]["requests"] for name in ("fixed", "sharegpt") if name in offline]
+    return counts[0] if counts else None
 
 
 def gpu_stack_reports(data: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -100,6 +100,9 @@ def test_gpu_stack_adds_the_floors_after_its_offline_child_but_not_on_a_cpu_smok
     report = {"offline": offline}
     headline(report)
     assert report["offline_over_schedule_floor"] == offline["fixed"]["over_schedule_floor"]
+    cut_short = {"ceilings": offline["ceilings"], "engine": offline["engine"]}  # no set timed
+    add_schedule_floors(cut_short, "dummy:tiny", "auto")
+    assert set(cut_short) == {"ceilings", "engine"}
     smoke = {"ceilings": {"matmul_tflop_s": 1.0}, "fixed": {"requests": 2, "seconds": 1.0}}
     add_schedule_floors(smoke, "dummy:tiny", "auto")
     assert "schedule_floor" not in smoke["fixed"]

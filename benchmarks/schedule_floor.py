@@ -122,11 +122,10 @@ def schedule_floor(
     for spec in specs:
         params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
         host.add_request(f"r{spec.index}", list(spec.prompt_token_ids or ()), params)
-    steps = output_tokens = 0
+    output_tokens = 0
     while host.has_unfinished():
         for delta in host.step().deltas:
             output_tokens += len(delta.new_token_ids)
-        steps += 1
     floor_s = totals["matmul"] + totals["prompt"] + totals["decode"]
     return {
         "floor_s": round(floor_s, 3),

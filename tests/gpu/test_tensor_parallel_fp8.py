@@ -51,6 +51,9 @@ def test_each_rank_keeps_its_kv_heads_in_float8(fp8_pair) -> None:
     assert single.runner.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn
     cache = pair.runner.kv_cache.layers[0][0]
     assert cache.dtype == torch.float8_e4m3fn and cache.shape[2] == 4
+    # kv_cache_bytes is each rank's: half the heads a block, twice the blocks. The ranks agree
+    # on the smallest count, so a rank with a bf16 cache would leave it at TP=1's.
+    assert pair.runner.num_blocks == 2 * single.runner.num_blocks
     assert pair.runner.fast is not None, pair.runner.fast_path_off_reason
     assert pair.runner.capabilities.graph_batch_sizes
 
@@ -75,7 +78,8 @@ def test_tp2_steps_follow_tp1_on_the_same_float8_cache(fp8_pair) -> None:
         errors.append(_error(ours, single.runner.execute(decode).clone()))
         positions = [p + 1 for p in positions]
     # bf16 partial sums in another order can move a key across a float8 rounding step: the
-    # logits agree to well within the cache's own rounding (~0.1 against a bf16 cache).
+    # logits agree within less than the cache's own rounding (test_cuda_runner.py allows 0.15
+    # between a float8 and a bf16 cache).
     assert all(error < 0.08 for error in errors), errors
 
 

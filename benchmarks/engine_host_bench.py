@@ -36,6 +36,7 @@ import gc
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 from typing import Any
@@ -63,11 +64,20 @@ SESSION = "s1"
 
 class HostOnlyRunner:
     """A model runner that launches steps as the CUDA fast path does and computes nothing:
-    each sampled row's id is a fixed function of its sequence (never an EOS: there is none)."""
+    each sampled row's id is a fixed function of its sequence (never an EOS: there is none).
+    `on_launch(batch)`, if given, sees each step as it is launched (a modelled device clock, a
+    step's price)."""
 
     capabilities = RunnerCapabilities(greedy_ids=True, overlap_max_batch=1024, overlap_mixed=True)
 
-    def __init__(self, *, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        on_launch: Callable[[ScheduledBatch], None] | None = None,
+    ) -> None:
         self.model_config = SimpleNamespace(
             vocab_size=32_000, max_model_len=max_model_len, eos_token_ids=(), name="host-only"
         )
@@ -78,8 +88,11 @@ class HostOnlyRunner:
         self.dtype = "bfloat16"
         self.execution_path = "host only"
         self.launches = 0
+        self._on_launch = on_launch
 
     def launch_greedy(self, batch: ScheduledBatch) -> SimpleNamespace:
+        if self._on_launch is not None:
+            self._on_launch(batch)
         self.launches += 1
         ids = [100 + seq.seq_id % 1000 for seq in batch.sequences if seq.needs_logits]
         return SimpleNamespace(result=lambda: ids)
@@ -135,19 +148,17 @@ class HostOnlyAdapters(EngineAdapters):
 
 def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, HostOnlyRunner, list[float]]:
     """The engine, its runner and the simulated device clock (seconds, one-item list)."""
+    clock = [0.0]
+
+    def tick(_: ScheduledBatch) -> None:
+        clock[0] += args.step_ms / 1000.0
+
     runner = HostOnlyRunner(
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_model_len=args.prompt_len + args.max_tokens + 16,
+        on_launch=tick,
     )
-    clock = [0.0]
-    launch = runner.launch_greedy
-
-    def launch_and_tick(batch: ScheduledBatch) -> SimpleNamespace:
-        clock[0] += args.step_ms / 1000.0
-        return launch(batch)
-
-    runner.launch_greedy = launch_and_tick  # type: ignore[method-assign]
 
     class Engine(LLMEngine):
         def _build_adapters(self, lora_config: LoRAConfig, config: Any, _: Any) -> Any:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -123,19 +122,17 @@ class SimAdapters(EngineAdapters):
 
 
 def build_engine(args: argparse.Namespace, clock: Clock, *, lora: bool) -> LLMEngine:
+    model = StepModel(args)
+
+    def advance(batch: ScheduledBatch) -> None:
+        clock.now += model.seconds(batch)
+
     runner = HostOnlyRunner(
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_model_len=args.prompt_len + args.max_tokens + 16,
+        on_launch=advance,
     )
-    model = StepModel(args)
-    launch = runner.launch_greedy
-
-    def launch_timed(batch: ScheduledBatch) -> SimpleNamespace:
-        clock.now += model.seconds(batch)
-        return launch(batch)
-
-    runner.launch_greedy = launch_timed  # type: ignore[method-assign]
 
     class Engine(LLMEngine):
         def _build_adapters(self, lora_config: LoRAConfig, config: Any, _: Any) -> Any:

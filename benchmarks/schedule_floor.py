@@ -91,11 +91,6 @@ def schedule_floor(
     """The floor of `specs` on the schedule of an engine with `engine`'s settings
     (max_num_seqs, max_num_batched_tokens, num_blocks, block_size) at `ceilings`
     (matmul_tflop_s, copy_gb_s)."""
-    runner = HostOnlyRunner(
-        num_blocks=engine["num_blocks"],
-        block_size=engine["block_size"],
-        max_model_len=max(s.input_tokens + s.output_tokens for s in specs) + 16,
-    )
     price = StepPrice(
         shape,
         matmul_tflop_s=ceilings["matmul_tflop_s"],
@@ -103,14 +98,17 @@ def schedule_floor(
         kv_element_bytes=kv_element_bytes,
     )
     totals = dict.fromkeys(("matmul", "prompt", "decode", "weight_bound", "weight_bound_s"), 0.0)
-    launch = runner.launch_greedy
 
-    def priced_launch(batch: ScheduledBatch) -> Any:
+    def add_price(batch: ScheduledBatch) -> None:
         for key, value in price.seconds(batch).items():
             totals[key] += value
-        return launch(batch)
 
-    runner.launch_greedy = priced_launch  # type: ignore[method-assign]
+    runner = HostOnlyRunner(
+        num_blocks=engine["num_blocks"],
+        block_size=engine["block_size"],
+        max_model_len=max(s.input_tokens + s.output_tokens for s in specs) + 16,
+        on_launch=add_price,
+    )
     config = EngineConfig(
         model="host-only",
         device="cpu",

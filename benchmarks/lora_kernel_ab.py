@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import statistics
 import sys
@@ -107,13 +108,37 @@ def random_slots(config: ModelConfig, device: torch.device) -> LoRASlots:
     return slots
 
 
+def llama_8b_projections(
+    device: torch.device,
+) -> tuple[LoRASlots, dict[str, torch.Tensor]]:
+    """`dummy:llama-3-8b`'s random LoRA slots and each projection's random base weights
+    [layers, out, in] in bf16."""
+    settings = {**DUMMY_SHAPES["llama-3-8b"], "architectures": ["LlamaForCausalLM"]}
+    config = ModelConfig.from_dict(settings, name="llama-3-8b")
+    slots = random_slots(config, device)
+    weights = {
+        name: torch.randn(config.num_layers, shape.out_features, shape.in_features,
+                          device=device, dtype=torch.bfloat16).div_(64)
+        for name, shape in slots.shapes.items()
+    }  # fmt: skip
+    return slots, weights
+
+
 def runtimes(
     slots: LoRASlots, baseline: tuple[ModuleType, ModuleType]
 ) -> dict[str, tuple[runtime_mod.LoRARuntime, bool]]:
     """Each LoRA variant: its runtime and whether it runs through `project`."""
     old = runtime_mod.LoRARuntime(slots, kernels="triton", max_rows=8192)
-    old_expand = baseline[1].lora_expand
-    old._shrink = baseline[0].lora_shrink
+    old_shrink, old_expand = baseline[0].lora_shrink, baseline[1].lora_expand
+
+    def shrink(*args: Any, **kwargs: Any) -> None:
+        if "partials" in inspect.signature(old_shrink).parameters:
+            old_shrink(*args, **kwargs)
+            return
+        kwargs.pop("partials", None), kwargs.pop("counters", None)  # splits added atomically
+        old_shrink(*args, **kwargs)
+
+    old._shrink = shrink
 
     def expand(*args: Any, sub_blocks: int = 1, write: bool = False, **kwargs: Any) -> None:
         assert not write, "the baseline runs through apply (deltas added after the matmul)"
@@ -215,15 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("lora_kernel_ab needs a CUDA device")
         return 2
-    device = torch.device("cuda")
-    settings = {**DUMMY_SHAPES["llama-3-8b"], "architectures": ["LlamaForCausalLM"]}
-    config = ModelConfig.from_dict(settings, name="llama-3-8b")
-    slots = random_slots(config, device)
-    base_weights = {
-        name: torch.randn(config.num_layers, shape.out_features, shape.in_features,
-                          device=device, dtype=torch.bfloat16).div_(64)
-        for name, shape in slots.shapes.items()
-    }  # fmt: skip
+    slots, base_weights = llama_8b_projections(torch.device("cuda"))
     variants = runtimes(slots, load_baseline(args.baseline_dir))
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),

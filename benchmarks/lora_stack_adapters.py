@@ -1,10 +1,11 @@
 """The adapter side of the LoRA stack benchmark: random PEFT files, registration, what to watch.
 
-- `write_adapters`: N random rank-r PEFT adapters on all seven projections of a model (A and B
-  both non-zero, bf16), as `adapter_config.json` + `adapter_model.safetensors` with PEFT's tensor
-  names. Fast at real sizes (100 x 84 MB for Llama-3-8B at rank 16 in about 10 s): one pool of
-  normal values drawn once from the seed, each tensor a copy of the pool at offsets drawn from
-  the seed and the adapter's index, so every adapter (and its checksum) differs.
+- `write_adapters`: N random rank-r PEFT adapters on the given projections of a model (all seven
+  by default; A and B both non-zero, bf16), as `adapter_config.json` +
+  `adapter_model.safetensors` with PEFT's tensor names. Fast at real sizes (100 x 84 MB for
+  Llama-3-8B at rank 16 in about 10 s): one pool of normal values drawn once from the seed, each
+  tensor a copy of the pool at offsets drawn from the seed and the adapter's index, so every
+  adapter (and its checksum) differs.
 - `register_adapters`: the router's AddAdapter, the call `sluice adapters add` makes, a few at
   once (each has an engine read and check the files).
 - `ResidencyPoller`: the router's ListAdapters polled from a thread; every adapter that turns up
@@ -43,14 +44,23 @@ def model_config_of(model: str) -> Any:
     return ModelConfig.from_directory(files.weights_dir, name=model)
 
 
-def adapter_names(count: int) -> list[str]:
-    return [f"adapter-{index:03d}" for index in range(count)]
+def adapter_names(count: int, prefix: str = "adapter") -> list[str]:
+    return [f"{prefix}-{index:03d}" for index in range(count)]
 
 
 def write_adapters(
-    root: Path, model: str, count: int, rank: int, seed: int = 0, progress: Callable = print
+    root: Path,
+    model: str,
+    count: int,
+    rank: int,
+    seed: int = 0,
+    progress: Callable = print,
+    *,
+    modules: tuple[str, ...] = MODULES,
+    prefix: str = "adapter",
 ) -> dict[str, Any]:
-    """Write `count` adapters under root/<name>; returns their names, bytes each and seconds."""
+    """Write `count` adapters on `modules` under root/<prefix>-NNN; returns their names, bytes
+    each and seconds."""
     import torch
     from safetensors.torch import save_file
 
@@ -67,16 +77,16 @@ def write_adapters(
         "r": rank,
         "lora_alpha": 2 * rank,
         "lora_dropout": 0.0,
-        "target_modules": list(MODULES),
+        "target_modules": list(modules),
         "bias": "none",
     }
-    names = adapter_names(count)
+    names = adapter_names(count, prefix)
     size = 0
     for index, name in enumerate(names):
         rng = np.random.default_rng([seed, index])
         tensors = {}
         for layer in range(config.num_layers):
-            for module in MODULES:
+            for module in modules:
                 in_features, out_features = module_shape(config, module)
                 prefix = f"base_model.model.model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
                 for factor, shape in (("A", (rank, in_features)), ("B", (out_features, rank))):

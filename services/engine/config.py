@@ -150,6 +150,13 @@ class EngineConfig:
         "changes hands, so up to max_cpu_loras adapters are served at once; 0 = a request "
         "keeps its adapter's slot to the end, and at most max_loras adapters are in flight",
     )
+    lora_deterministic: bool = field(
+        True,
+        help="on a GPU, the LoRA kernels sum their K splits in a fixed order, so a request "
+        "repeated alone gets the same tokens; --no-lora-deterministic adds them with float "
+        "atomics instead: the projections of a LoRA decode step 2-6 %% faster (BENCHMARKS.md), "
+        "answers that may change from run to run where two tokens are nearly tied",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):

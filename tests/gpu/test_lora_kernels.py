@@ -154,6 +154,31 @@ def check_against_torch(
             )
 
 
+def check_splits_in_order(device: str, dtype: torch.dtype, repeats: int) -> None:
+    """The shrink's K splits are summed in split order: the same step repeated gives the same
+    bits, decode-sized (many splits) and prefill-sized alike, and the tile counters end at zero
+    (the workspace, not float atomics, took the sums)."""
+    config = tiny_model_config(**SHAPES["wide"])
+    slots, _ = _filled_slots(config, 8, 16, dtype, device)
+    runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
+    runtime._partials.fill_(float("nan"))
+    generator = torch.Generator().manual_seed(3)
+    for kind, rows in (("distinct", 64), ("runs", 300)):
+        runtime.set_batch(LoRABatch.from_row_slots(_row_slots(kind, rows, 8, generator)))
+        for projection in PROJECTIONS:
+            spec = slots.shapes[projection]
+            x = torch.randn(rows, spec.in_features, generator=generator).to(dtype).to(device)
+            y = torch.randn(rows, spec.out_features, generator=generator).to(dtype).to(device)
+            first = y.clone()
+            runtime.apply(0, projection, x, first)
+            for _ in range(repeats):
+                again = y.clone()
+                runtime.apply(0, projection, x, again)
+                assert torch.equal(again, first), (kind, projection)
+    assert not bool(runtime._counters.any())
+    assert not bool(runtime._partials.isnan().all()), "no partial went through the workspace"
+
+
 class PlainBase(torch.nn.Module):
     """A base projection that says it is a plain x Wᵀ and counts the calls of its forward."""
 
@@ -195,6 +220,10 @@ def test_long_runs_through_cublas_beside_the_kernels_match_the_torch_path(
         DEVICE, "wide", dtype, "runs", 300, 16, long_segment_rows=24,
         write_tile_deltas=write_tile_deltas,
     )  # fmt: skip
+
+
+def test_the_shrink_sums_its_splits_in_order() -> None:
+    check_splits_in_order(DEVICE, torch.bfloat16, repeats=20)
 
 
 def check_graph_replay(device: str, entry: str = "apply") -> None:

@@ -71,7 +71,9 @@ class EngineAdapters:
             dtype=self.dtype,
             device=self.device,
         )
-        self.runtime = LoRARuntime(self.slots, kernels=kernels, max_rows=max_rows)
+        self.runtime = LoRARuntime(
+            self.slots, kernels=kernels, max_rows=max_rows, ordered_sums=config.deterministic
+        )
         self.manager = AdapterManager(
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,

@@ -65,7 +65,14 @@ SIDE_SHRINK_MAX_ROWS = 64
 class LoRARuntime:
     """Adds each row's adapter delta to the projections of the model it is bound to."""
 
-    def __init__(self, slots: LoRASlots, *, kernels: str = "torch", max_rows: int = 0) -> None:
+    def __init__(
+        self,
+        slots: LoRASlots,
+        *,
+        kernels: str = "torch",
+        max_rows: int = 0,
+        ordered_sums: bool = True,
+    ) -> None:
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         if kernels == "triton" and max_rows < 1:
@@ -106,6 +113,9 @@ class LoRARuntime:
         # Set while the runner captures graphs of at most side_shrink_max_rows rows for steps
         # of many adapters: their deltas go first too (see SIDE_SHRINK_MAX_ROWS).
         self.graph_deltas_first = False
+        # triton: the shrink sums its K splits in split order (the same bits every run), not
+        # with float atomics in the order they finish.
+        self.ordered_sums = ordered_sums
         if kernels == "triton":
             self._init_kernel_buffers(max_rows)
 
@@ -117,7 +127,11 @@ class LoRARuntime:
             column_blocks,
             lora_expand,
         )
-        from services.engine.kernels.triton.lora_shrink import SPLIT_K_MAX_ROWS, lora_shrink
+        from services.engine.kernels.triton.lora_shrink import (
+            SPLIT_K_MAX_ROWS,
+            lora_shrink,
+            workspace_floats,
+        )
 
         self._shrink, self._expand = lora_shrink, lora_expand  # Triton imported only when used
 
@@ -149,11 +163,28 @@ class LoRARuntime:
         if torch.device(device).type == "cuda":
             self._side_stream = torch.cuda.Stream(device)
         widest = max(shape.num_slices for shape in slots.shapes.values()) * slots.max_rank
-        # Shrink results, two buffers used in turn: each shrink adds into one and zeroes the
+        # Shrink results, two buffers used in turn: each shrink writes one and zeroes the
         # other's rows of its tiles for the next projection (lora_shrink's docstring).
         self._u = torch.zeros(2, max_rows, widest, dtype=torch.float32, device=device)
         self._u_pairs = ((self._u[0], self._u[1]), (self._u[1], self._u[0]))  # (add, zero)
         self._u_turn = 0
+        # The shrink's K splits summed in split order (the same bits every run): room for the
+        # partials of the widest decode-sized step (tiles up to a graph bucket past
+        # SPLIT_K_MAX_ROWS rows: eager steps' tiles cover their bucket) and of the widest step.
+        row_counts = {min(max_rows, 2 * SPLIT_K_MAX_ROWS), max_rows}
+        floats = max(
+            workspace_floats(
+                rows,
+                shape.in_features,
+                shape.num_slices * slots.max_rank,
+                TILE_ROWS,
+                max_tiles(rows, slots.max_loras),
+            )
+            for shape in slots.shapes.values()
+            for rows in row_counts
+        )
+        self._partials = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
+        self._counters = torch.zeros(self.tile_capacity, dtype=torch.int32, device=device)
 
     def set_batch(self, batch: LoRABatch) -> None:
         """This step's rows and slots (for triton: written into the fixed layout buffers)."""
@@ -370,6 +401,9 @@ class LoRARuntime:
         """Launch the shrink of x into the next u buffer (zeroing the other); that buffer."""
         u, zero = self._u_pairs[self._u_turn]
         self._u_turn ^= 1
+        if self.launch_always and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a graph of x's rows replays steps cut into at most this many tiles
+            bound = min(bound, max_tiles(x.shape[0], self.slots.max_loras))
         self._shrink(
             x,
             self.slots.a[layer][projection],
@@ -380,6 +414,8 @@ class LoRARuntime:
             self.slots.kernel_rank_tensors[projection],
             tile_rows=TILE_ROWS,
             tile_bound=bound,
+            partials=self._partials if self.ordered_sums else None,
+            counters=self._counters,
         )
         return u
 

@@ -8,11 +8,14 @@ mix: the item count is read on the device, so a captured CUDA graph serves any m
 of one adapter launches the same few hundred programs as one of sixty-four, not one per slot.
 Each item multiplies its gathered rows by every slice of the slot's A at once (the slices'
 rank-padded rows are contiguous, so x is read once per tile) with a tensor-core dot over its
-K range and adds the float32 result into u [rows, slices * max_rank] atomically (splits keep
-each item's K loop short: decode steps have few tiles). u must be zero in the tiles' rows; the
-caller alternates two u buffers, and each launch zeroes the other one's rows of its tiles, for
-the next projection to add into (services/engine/lora/runtime.py), so no launch is spent on
-zeroing. Rows past a slot's real rank are masked (its padding is never read) and stay zero.
+K range (splits keep each item's K loop short: decode steps have few tiles). The sum over the
+splits is deterministic: each split stores its float32 partial in a workspace and counts itself
+in on its tile's counter; the split that arrives last adds the tile's partials in split order
+and stores the result in u [rows, slices * max_rank], then resets the counter. The same input
+thus gives the same bits on every run (float atomics would add in whatever order the splits
+finish). Each launch also zeroes the rows of its tiles in a second buffer (the caller's other u,
+services/engine/lora/runtime.py). Columns past a slot's real rank are masked (its padding is
+never read) and come out zero.
 With programmatic dependent launch, each item's tile layout is read before the wait (launch.py).
 """
 
@@ -40,11 +43,39 @@ PREFILL_K_PER_SPLIT = 1024
 
 
 @triton.jit
+def _add_splits(
+    acc, u_ptrs, u_mask, partials_ptr, counters_ptr, tile, split, offs_m, offs_j,
+    SPLIT_K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Store this split's partial; the tile's last split to arrive sums all of them in split
+    order into u and resets the tile's counter."""
+    tile_base = partials_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * WIDTH)
+    offsets = offs_m[:, None] * WIDTH + offs_j[None, :]
+    mask = (offs_m < BLOCK_M)[:, None] & (offs_j < WIDTH)[None, :]
+    tl.store(tile_base + split * (BLOCK_M * WIDTH) + offsets, acc, mask=mask)
+    tl.debug_barrier()  # every thread's stores issued before the release below
+    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.zeros(acc.shape, tl.float32)
+        for index in range(SPLIT_K):
+            total += tl.load(
+                tile_base + index * (BLOCK_M * WIDTH) + offsets,
+                mask=mask,
+                other=0.0,
+                cache_modifier=".cg",  # from L2: another SM wrote it
+            )
+        tl.store(u_ptrs, total, mask=u_mask)
+        tl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
     u_ptr,
     zero_ptr,
+    partials_ptr,
+    counters_ptr,
     tiles_ptr,
     row_indices_ptr,
     slot_ranks_ptr,
@@ -58,6 +89,7 @@ def _lora_shrink_kernel(
     ZERO_WIDTH: tl.constexpr,
     MAX_RANK: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    IN_ORDER: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_J: tl.constexpr,
@@ -116,8 +148,11 @@ def _lora_shrink_kernel(
                     acc += tl.dot(x_tile, a_tile)
             if SPLIT_K == 1:
                 tl.store(u_ptr + u_offsets, acc, mask=u_mask)
-            else:
+            elif not IN_ORDER:  # no workspace: added into u (zero in these rows) as they finish
                 tl.atomic_add(u_ptr + u_offsets, acc, mask=u_mask)
+            else:
+                _add_splits(acc, u_ptr + u_offsets, u_mask, partials_ptr, counters_ptr, tile,
+                            split, offs_m, offs_j, SPLIT_K, WIDTH, BLOCK_M)  # fmt: skip
         item += tl.num_programs(0)
     # never end before the kernel before this one (programs without items too)
     pdl_wait(USE_PDL)
@@ -142,8 +177,7 @@ def _shrink_launch(
 ) -> tuple[int, dict[str, object]]:
     """(K splits, the kernel's constexprs) for one shape: computed once, not per launch.
     Decode-sized steps (few tiles) split K finer than prefill-sized ones."""
-    per_split = DECODE_K_PER_SPLIT if decode_sized else PREFILL_K_PER_SPLIT
-    split_k = max(1, in_features // per_split)
+    split_k = _split_count(decode_sized, in_features)
     block_k = 64 if width <= 128 else 32
     return split_k, {
         "IN_FEATURES": in_features,
@@ -156,6 +190,20 @@ def _shrink_launch(
         "BLOCK_K": block_k,
         "BLOCK_Z": pow2_at_least(zero_width),
     }
+
+
+def workspace_floats(
+    rows: int, in_features: int, width: int, tile_rows: int, tile_bound: int
+) -> int:
+    """The float32 partials a launch over `rows` rows of `tile_bound` tiles at most needs: one
+    [tile_rows, width] block per tile and K split (none without splits)."""
+    split_k = _split_count(rows <= SPLIT_K_MAX_ROWS, in_features)
+    return 0 if split_k == 1 else split_k * tile_bound * tile_rows * width
+
+
+def _split_count(decode_sized: bool, in_features: int) -> int:
+    per_split = DECODE_K_PER_SPLIT if decode_sized else PREFILL_K_PER_SPLIT
+    return max(1, in_features // per_split)
 
 
 def persistent_grid(items: int, device: torch.device) -> tuple[int]:
@@ -183,12 +231,19 @@ def lora_shrink(
     *,
     tile_rows: int,
     tile_bound: int,
+    partials: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> None:
-    """u[r, i * max_rank + j] += x[r] · a[slot, i, j] for every row r of every tile, and
-    zero[r, :] = 0 for the same rows (all its columns: the next projection may be wider).
+    """u[r, i * max_rank + j] = x[r] · a[slot, i, j] for every row r of every tile whose slot
+    has a rank, and zero[r, :] = 0 for the rows of every tile (all its columns: the next
+    projection may be wider).
 
     x [T, in]; a [slots, slices, max_rank, in], each slot contiguous; u and zero float32
-    [>= T, >= slices * max_rank] with unit column stride, u zero in the tiles' rows; tiles int32
+    [>= T, >= slices * max_rank] with unit column stride; partials float32 with at least
+    `workspace_floats(T, in, slices * max_rank, tile_rows, tile_bound)` elements and counters
+    int32 [>= tile_bound], zero before the first launch (each launch leaves them zero): the
+    splits' sum in split order. Without them (or where they are too small for this launch) the
+    splits add into u atomically as they finish, u zero in the tiles' rows; tiles int32
     (KernelTiles.packed: the count, then slots, starts and row counts of tile capacity each)
     and row_indices int32, on the device; slot_ranks int32 [slots] (0: rows of that slot
     skipped); tile_rows: the most rows of a tile (a power of two >= 16); tile_bound: at most
@@ -210,19 +265,32 @@ def lora_shrink(
     split_k, constants = _shrink_launch(
         rows <= SPLIT_K_MAX_ROWS, in_features, width, zero.shape[1], x.dtype == torch.float32
     )
+    capacity = (tiles.shape[0] - 1) // 3
+    bound = min(tile_bound, capacity)
+    in_order = (
+        partials is not None
+        and counters is not None
+        and partials.numel() >= split_k * bound * tile_rows * width
+        and counters.numel() >= bound
+    )
+    if not in_order:  # pointers the kernel never follows
+        partials, counters = u, tiles
     _launch_shrink(
         persistent_grid(tile_bound * split_k, x.device),
         x,
         a,
         u,
         zero,
+        partials,
+        counters,
         tiles,
         row_indices,
         slot_ranks,
         x.stride(0),
         a.stride(0),
         u_stride[0],
-        TILE_CAPACITY=(tiles.shape[0] - 1) // 3,
+        TILE_CAPACITY=capacity,
+        IN_ORDER=in_order,
         MAX_RANK=max_rank,
         BLOCK_M=tile_rows,
         num_warps=4,

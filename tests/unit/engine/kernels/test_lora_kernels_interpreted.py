@@ -3,9 +3,9 @@
 The same checks as tests/gpu/test_lora_kernels.py (the kernels against the per-segment torch
 path; base rows untouched bit for bit) on the tiny and a wider shape: adapters of different
 ranks and target modules, one adapter for every row, runs of adapters among base rows, split K
-with the alternating shrink buffers, long runs through cuBLAS beside the kernels, a plain base
-matmul adding onto deltas written first (the kernels' too, or added after it), a step
-narrower than its CUDA graph bucket. The
+with the alternating shrink buffers (the splits summed in split order through the workspace),
+long runs through cuBLAS beside the kernels, a plain base matmul adding onto deltas written
+first (the kernels' too, or added after it), a step narrower than its CUDA graph bucket. The
 interpreter has no bfloat16 and no CUDA graphs; those run on a GPU. `TRITON_INTERPRET` is read
 when a kernel module is imported, so the checks run in a child process.
 """
@@ -37,10 +37,12 @@ CASES = [
 ]
 CHILD = """
 import json, sys, torch
-from tests.gpu.test_lora_kernels import check_against_torch
+from tests.gpu.test_lora_kernels import check_against_torch, check_splits_in_order
 for shape, kind, rows, max_rank, *more in json.loads(sys.argv[1]):
     check_against_torch("cpu", shape, torch.float32, kind, rows, max_rank, *more)
     print("ok", shape, kind, rows, max_rank, flush=True)
+check_splits_in_order("cpu", torch.float32, repeats=1)
+print("ok splits in order", flush=True)
 """
 
 
@@ -56,4 +58,4 @@ def test_kernels_match_the_torch_path_in_the_interpreter() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == len(CASES)
+    assert result.stdout.count("ok ") == len(CASES) + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.common.config import from_layers
 from services.common.errors import InvalidArgumentError
@@ -47,3 +48,29 @@ def test_serve_engine_flags_reach_the_engine() -> None:
     config = WorkerConfig.from_argv([*argv, "--max-lora-rank", "16"])
     lora = LoRAConfig.from_engine_config(config.engine)
     assert lora == LoRAConfig(3, 5, 16, "/srv/adapters") and lora.enabled
+
+
+def test_the_determinism_flag_reaches_the_kernels() -> None:
+    """`--no-lora-deterministic` takes the shrink's workspace away (its splits then add with
+    float atomics); by default the runtime hands the workspace to every shrink."""
+    pytest.importorskip("triton", reason="the kernels' runtime imports Triton")
+    from services.engine.lora.batch import LoRABatch
+    from services.engine.lora.runtime import LoRARuntime
+    from services.engine.lora.slots import LoRASlots
+    from services.engine.worker_config import WorkerConfig
+    from tests.lora_adapters import tiny_model_config
+
+    assert LoRAConfig.from_engine_config(EngineConfig()).deterministic
+    engine = WorkerConfig.from_argv(["--no-lora-deterministic"]).engine
+    assert not LoRAConfig.from_engine_config(engine).deterministic
+    config = tiny_model_config()
+    slots = LoRASlots(config, max_loras=2, max_rank=8, dtype=torch.float32, device="cpu")
+    for ordered in (True, False):
+        runtime = LoRARuntime(slots, kernels="triton", max_rows=32, ordered_sums=ordered)
+        seen: list[dict] = []
+        runtime._shrink = lambda *args, seen=seen, **kwargs: seen.append(kwargs)
+        runtime._expand = lambda *args, **kwargs: None
+        runtime.set_batch(LoRABatch.from_row_slots([0, 1, -1]))
+        x = torch.zeros(3, config.hidden_size)
+        runtime.apply(0, "qkv_proj", x, torch.zeros(3, slots.shapes["qkv_proj"].out_features))
+        assert len(seen) == 1 and (seen[0]["partials"] is not None) is ordered

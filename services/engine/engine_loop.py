@@ -107,6 +107,8 @@ class LoopOutput:
     step_index: int
     step_time_s: float = 0.0
     num_batched_tokens: int = 0
+    # The request ids of the submits this turn took in (queued or refused) before its load.
+    taken: tuple[str, ...] = ()
 
     @property
     def is_load_only(self) -> bool:
@@ -280,8 +282,9 @@ class EngineLoop:
                 self._report_step(inbox, turn_started_ns, num_batched_tokens)
         if load is None:
             load = self._safe_load()
+        taken = tuple(c.request_id for c in inbox.commands if isinstance(c, Submit))
         return LoopOutput(
-            deltas, rejections, load, self._step_index, step_time_s, num_batched_tokens
+            deltas, rejections, load, self._step_index, step_time_s, num_batched_tokens, taken
         )
 
     def _report_step(self, inbox: _Inbox, started_ns: int, num_batched_tokens: int) -> None:

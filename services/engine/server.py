@@ -33,6 +33,7 @@ import signal
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,9 +79,25 @@ class _Session:
     last_sent: float = 0.0
     # Tokens of requests submitted with hold_tokens, gathered as the router's pacing says.
     coalescer: TokenCoalescer = field(default_factory=TokenCoalescer)
+    # Submits counted in the order the router sent them; those handed to the engine loop and not
+    # yet taken in by a turn, (number, request id) in that order (the loop takes them in order).
+    received: int = 0
+    untaken: deque[tuple[int, str]] = field(default_factory=deque)
 
     def internal_id(self, request_id: str) -> str:
         return f"{self.key}{_SEPARATOR}{request_id}"
+
+    @property
+    def submits_taken(self) -> int:
+        """How many of this session's submits, in order, are in the engine's load now (those
+        refused here count as taken: they never queue)."""
+        return self.untaken[0][0] - 1 if self.untaken else self.received
+
+    def note_taken(self, request_ids: set[str]) -> None:
+        """A loop turn took in these of the session's submits."""
+        untaken = self.untaken
+        while untaken and untaken[0][1] in request_ids:
+            untaken.popleft()
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -226,6 +243,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 request.pacing.tokens_per_update, request.pacing.max_hold_ms
             )
         for item in request.submits:
+            session.received += 1
             request_id = item.request_id
             if not request_id:
                 refused.append(_refusal("", "INVALID_ARGUMENT", "request_id must be non-empty"))
@@ -246,6 +264,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 refused.append(_refusal(request_id, exc.code, exc.message))
                 continue
             session.live.add(request_id)
+            session.untaken.append((session.received, request_id))
             if item.hold_tokens:
                 session.coalescer.allow(request_id)
             submits.append(
@@ -266,7 +285,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if aborts:
             engine_loop.abort(aborts)
         if refused and self._load is not None:
-            session.outbox.put_nowait(self._step_message(refused, self._load))
+            message = self._step_message(refused, self._load)
+            message.submits_taken = session.submits_taken
+            session.outbox.put_nowait(message)
 
     # ---- outbound -------------------------------------------------------------------------
     def _dispatch(self, output: LoopOutput) -> None:
@@ -287,6 +308,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if step is None:
                 step = steps[key] = self._new_step(load, output)
             return step
+
+        taken: dict[str, set[str]] = {}  # by session: its submits this turn took in
+        for internal_id in output.taken:
+            key, _, request_id = internal_id.partition(_SEPARATOR)
+            taken.setdefault(key, set()).add(request_id)
+        for key, request_ids in taken.items():
+            session = sessions.get(key)
+            if session is not None:
+                session.note_taken(request_ids)
 
         for items in (output.rejections, output.deltas):
             for item in items:
@@ -312,9 +342,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         for key, session in list(sessions.items()):
             step = steps.get(key)
             if step is None:
-                if now - session.last_sent < self._load_report_interval_s:
-                    continue
+                if now - session.last_sent < self._load_report_interval_s and key not in taken:
+                    continue  # (a session whose submits were taken in hears of it at once)
                 step = self._new_step(load, output)
+            step.submits_taken = session.submits_taken
             session.last_sent = now
             session.outbox.put_nowait(step)
             if session.input_closed and not session.live:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import grpc
@@ -66,10 +67,42 @@ class EngineConnection:
         self._sent_pacing: tuple[int, int] | None = None
         self._outbox_ready = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # Submits sent on this session, and those the engine's last step did not count as taken
+        # in yet, (number, prompt tokens) in sending order: their tokens are queued at the engine
+        # but not in the load it reported (router/queue_delay.py).
+        self._sent_submits = 0
+        self._untaken: deque[tuple[int, int]] = deque()
+        self._untaken_tokens = 0
+        self._engine_counts_submits = False  # an engine before EngineStep.submits_taken: no
 
     @property
     def ready(self) -> bool:
         return self.capacity.ready
+
+    @property
+    def unreported(self) -> tuple[int, int]:
+        """(requests, prompt tokens) sent to the engine and not yet in the load it reported."""
+        return len(self._untaken), self._untaken_tokens
+
+    def _count_sent(self, submits: list[engine_pb2.SubmitRequest]) -> None:
+        """Number the submits of a message as the engine will count them, in sending order."""
+        for submit in submits:
+            self._sent_submits += 1
+            tokens = len(submit.prompt_token_ids)
+            self._untaken.append((self._sent_submits, tokens))
+            self._untaken_tokens += tokens
+
+    def _note_taken(self, taken: int) -> None:
+        """The engine's step counted the first `taken` submits of this session as taken in."""
+        if taken:
+            self._engine_counts_submits = True
+        elif not self._engine_counts_submits:
+            self._untaken.clear()  # an engine that does not count them: nothing to go by
+            self._untaken_tokens = 0
+            return
+        untaken = self._untaken
+        while untaken and untaken[0][0] <= taken:
+            self._untaken_tokens -= untaken.popleft()[1]
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
@@ -162,6 +195,9 @@ class EngineConnection:
         )
         self._submits.clear()
         self._aborts.clear()
+        self._sent_submits = self._untaken_tokens = 0
+        self._untaken.clear()
+        self._engine_counts_submits = False
         self._sent_pacing = None  # a new session: tell it the pacing with its first message
         capacity.ready = True
         lora = ""
@@ -190,6 +226,7 @@ class EngineConnection:
             if pacing is not None:
                 message.pacing.tokens_per_update, message.pacing.max_hold_ms = pacing
                 self._sent_pacing = pacing
+            self._count_sent(self._submits)
             self._submits = []
             self._aborts = []
             await call.write(message)
@@ -205,6 +242,7 @@ class EngineConnection:
             load = step.load
             capacity.free_blocks = load.free_blocks
             self.last_load = load
+            self._note_taken(step.submits_taken)
             if load.total_blocks:
                 capacity.total_blocks = load.total_blocks
             capacity.reserved_blocks = 0

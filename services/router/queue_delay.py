@@ -7,11 +7,18 @@ every step (services/engine/load_rates.py: prompt tokens not yet prefilled, pref
 second, requests finished per second) and from its own view (requests placed on each engine and
 the free sequence slots; requests in its queue that go first, i.e. priority value <= p):
 
-- slot wait: the request needs a sequence slot after the A requests queued ahead of it; with F
-  free slots now and slots freeing at the engines' summed finish rate, it gets one after
-  max(0, A + 1 - F) / finished_per_s;
-- prefill wait: the prompt tokens already queued at the engines plus those of the requests
-  ahead, over the engines' summed prefill rate.
+- slot wait: the request needs a sequence slot of an engine's running batch after the A
+  requests queued ahead of it in the router and the W that wait inside the engines (an engine
+  that time-slices LoRA slots takes several batches in flight; what it has not admitted into
+  its batch waits there as surely as in the router's queue); with F free batch slots now and
+  slots freeing at the engines' summed finish rate, it gets one after
+  max(0, A + W + 1 - F) / finished_per_s. Where an engine has sequences paused for a LoRA slot
+  turn, turns free batch room too, at a rate it does not report: there only the requests the
+  router placed beyond its in-flight cap count, as for an engine that runs all it takes;
+- prefill wait: the prompt tokens already queued at the engines (as their last reports say,
+  plus those of the requests sent to them since: each step says how many of the router's
+  submits its load counts, EngineStep.submits_taken) plus those of the requests ahead, over the
+  engines' summed prefill rate.
 
 The estimate is the larger of the two (they overlap in time). Over `max_queue_delay_s` the
 request is refused with RESOURCE_EXHAUSTED and a retry-after of the excess (the time until the
@@ -35,7 +42,7 @@ MAX_RETRY_AFTER_S = 60.0
 class EngineLoadView:
     """One engine as the estimate sees it."""
 
-    free_slots: int
+    free_slots: int  # free slots of its running batch; negative: requests waiting for one
     queued_prompt_tokens: int
     prefill_tokens_per_s: float
     finished_per_s: float
@@ -47,9 +54,16 @@ class EngineLoadView:
         capacity = connection.capacity
         if load is None:
             return cls(capacity.free_slots, 0, 0.0, 0.0)
+        # Sent to the engine after the load it reported: queued there, not in the report.
+        unreported = getattr(connection, "unreported", (0, 0))
+        free_slots = capacity.free_slots
+        batch = min(capacity.slot_limit, capacity.max_num_seqs or capacity.slot_limit)
+        if load.running <= batch:  # nothing paused for a slot turn: room comes by finishes
+            inside = max(int(load.waiting) + unreported[0], capacity.inflight - int(load.running))
+            free_slots = batch - int(load.running) - inside
         return cls(
-            free_slots=capacity.free_slots,
-            queued_prompt_tokens=int(load.queued_prompt_tokens),
+            free_slots=free_slots,
+            queued_prompt_tokens=int(load.queued_prompt_tokens) + unreported[1],
             prefill_tokens_per_s=float(load.prefill_tokens_per_s),
             finished_per_s=float(load.finished_per_s),
         )
@@ -68,14 +82,15 @@ def estimate_start_delay(
     engines: Iterable[EngineLoadView], ahead_requests: int, ahead_prompt_tokens: int
 ) -> DelayEstimate | None:
     """How long a new request waits for its prefill to start; None without measured rates."""
-    free_slots = queued = 0
+    free_slots = waiting = queued = 0
     prefill_rate = finish_rate = 0.0
     for engine in engines:
         free_slots += max(engine.free_slots, 0)
+        waiting += max(-engine.free_slots, 0)
         queued += max(engine.queued_prompt_tokens, 0)
         prefill_rate += max(engine.prefill_tokens_per_s, 0.0)
         finish_rate += max(engine.finished_per_s, 0.0)
-    short = max(ahead_requests + 1 - free_slots, 0)
+    short = max(ahead_requests + waiting + 1 - free_slots, 0)
     if short and finish_rate <= 0.0:
         return None
     slot_wait = short / finish_rate if short else 0.0

@@ -96,18 +96,20 @@ class SequenceUpdate(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[_Union[_common_pb2.ItemError, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class EngineStep(_message.Message):
-    __slots__ = ("updates", "load", "step_index", "step_time_ms", "num_batched_tokens")
+    __slots__ = ("updates", "load", "step_index", "step_time_ms", "num_batched_tokens", "submits_taken")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUBMITS_TAKEN_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
     load: EngineLoad
     step_index: int
     step_time_ms: float
     num_batched_tokens: int
-    def __init__(self, updates: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., step_index: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., num_batched_tokens: _Optional[int] = ...) -> None: ...
+    submits_taken: int
+    def __init__(self, updates: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., step_index: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., num_batched_tokens: _Optional[int] = ..., submits_taken: _Optional[int] = ...) -> None: ...
 
 class EngineInfoRequest(_message.Message):
     __slots__ = ()

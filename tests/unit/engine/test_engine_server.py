@@ -184,6 +184,27 @@ def test_bad_requests_fail_alone_and_the_session_keeps_serving() -> None:
     asyncio.run(scenario())
 
 
+def test_each_step_says_how_many_of_the_sessions_submits_its_load_counts() -> None:
+    """Refused here, refused by the engine or queued: every submit counts, in sending order,
+    once a turn has taken it in; the count never goes back."""
+
+    async def scenario() -> None:
+        async with engine_server() as (stub, _):
+            session = Session(stub)
+            refused_here = submit("bad-top-p", [1], top_p=2.0)
+            past_context = submit("past-context", [1] * 100_000, max_tokens=2)
+            session.send(submits=[refused_here, past_context, submit("ok", [1, 2, 3])])
+            await session.until(lambda: any(s.submits_taken == 3 for s in session.steps))
+            session.send(submits=[submit(f"more{i}", [4, 5], max_tokens=2) for i in range(2)])
+            await session.until(lambda: any(s.submits_taken == 5 for s in session.steps))
+            counts = [step.submits_taken for step in session.steps]
+            assert counts == sorted(counts) and counts[-1] == 5
+            await session.until(lambda: len(session.finished) == 5)
+            await wait_all_blocks_free(stub)
+
+    asyncio.run(scenario())
+
+
 def test_abort_and_dropped_session_free_blocks() -> None:
     async def scenario() -> None:
         async with engine_server() as (stub, _):

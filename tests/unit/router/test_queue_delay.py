@@ -81,6 +81,78 @@ def test_gate_refuses_on_queued_prompt_tokens():
         gate.check([connection(inflight=1, load=busy_load(queued_prompt_tokens=30_000))], 0, 0)
 
 
+def test_requests_placed_beyond_the_batch_wait_for_a_slot_too():
+    """An engine that takes more in flight than it runs (LoRA slot time-slicing: several
+    batches) holds the excess waiting for batch slots; a new request queues behind them, those
+    in its report and those placed since."""
+    estimate = estimate_start_delay([view(free_slots=-30, prefill=1e9)], 9, 0)
+    assert estimate.slot_wait_s == pytest.approx(40 / 40.0)
+    engine = connection(inflight=30, max_num_seqs=8, load=busy_load(running=8, waiting=14))
+    engine.capacity.engine_max_inflight = 32  # four batches in flight
+    assert EngineLoadView.of_connection(engine).free_slots == -22  # 14 reported, 8 on the way
+    with pytest.raises(ResourceExhaustedError, match="wait about 2.3s"):
+        QueueDelayGate(2.0).check([engine], 0, 0)  # 23rd for a slot at 10/s
+    engine.last_load = busy_load(running=4, waiting=0)
+    engine.capacity.inflight = 4  # half the batch free: starts at once
+    QueueDelayGate(0.1).check([engine], 0, 0)
+
+
+def test_sequences_paused_for_slot_turns_leave_the_estimate_to_the_in_flight_cap():
+    """Paused sequences count as running; turns free batch room at a rate the engine does not
+    report, so only the router's own cap on what it places there counts."""
+    engine = connection(inflight=30, max_num_seqs=8, load=busy_load(running=26, waiting=4))
+    engine.capacity.engine_max_inflight = 32
+    assert EngineLoadView.of_connection(engine).free_slots == 2
+    QueueDelayGate(0.1).check([engine], 1, 0)
+
+
+def test_prompts_sent_after_the_engines_last_report_count_as_queued() -> None:
+    """A burst outruns the engine's reports (one a step, and a step may take a second): the
+    prompts sent since the load it last reported are queued there all the same."""
+    import asyncio
+
+    from services.router.engine_pool import EngineConnection
+
+    async def scenario() -> None:
+        pool = EngineConnection("127.0.0.1:1", None, None, lambda: None)
+        try:
+            pool.capacity.max_num_seqs = pool.capacity.engine_max_inflight = 64
+            pool.capacity.inflight = 30
+            pool.last_load = busy_load(running=0, waiting=0, queued_prompt_tokens=1_000)
+            pool._note_taken(0)  # no submit counted yet
+            pool._count_sent([engine_pb2.SubmitRequest(prompt_token_ids=[1] * 500)] * 30)
+            assert pool.unreported == (30, 15_000)
+            view = EngineLoadView.of_connection(pool)
+            assert view.queued_prompt_tokens == 16_000
+            with pytest.raises(ResourceExhaustedError, match="wait about 1.6s"):
+                QueueDelayGate(1.0).check([pool], 0, 0)  # 16k tokens at 10k tokens/s
+            pool._note_taken(20)  # the next step's load counts the first 20 of them
+            assert pool.unreported == (10, 5_000)
+            pool._note_taken(30)
+            assert pool.unreported == (0, 0)
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_that_does_not_count_submits_leaves_the_report_as_it_is() -> None:
+    import asyncio
+
+    from services.router.engine_pool import EngineConnection
+
+    async def scenario() -> None:
+        pool = EngineConnection("127.0.0.1:1", None, None, lambda: None)
+        try:
+            pool._count_sent([engine_pb2.SubmitRequest(prompt_token_ids=[1, 2])] * 3)
+            pool._note_taken(0)  # never a count: an engine that predates the field
+            assert pool.unreported == (0, 0)
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
 class _Request:
     def __init__(self, priority: int, tokens: int) -> None:
         self.priority = priority

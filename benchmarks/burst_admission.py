@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -75,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     details, summary = burst["details"], burst["summary"]
     ttft = summary["ttft_ms"]
     report = {
-        "device": f"{_cpu_name()}, {os.cpu_count()} CPUs (engine on {args.device})",
+        "device": f"{cpu_name()}, {os.cpu_count()} CPUs (engine on {args.device})",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.burst_admission "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": shlex.join(
+            ["python", "-m", "benchmarks.burst_admission", *(argv or sys.argv[1:])]
+        ),
         "engines": engines,
         "max_queue_delay_s": args.max_queue_delay_s,
         "requests": details["num_requests"],
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """This machine's CPU model (Linux), else what the platform says."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -73,7 +73,9 @@ class EngineConnection:
         self._sent_submits = 0
         self._untaken: deque[tuple[int, int]] = deque()
         self._untaken_tokens = 0
-        self._engine_counts_submits = False  # an engine before EngineStep.submits_taken: no
+        # Whether the engine counts them (EngineStep.submits_taken): unknown until a step says
+        # so (None), False for an engine before the field (it reports updates, never a count).
+        self._engine_counts_submits: bool | None = None
 
     @property
     def ready(self) -> bool:
@@ -86,18 +88,24 @@ class EngineConnection:
 
     def _count_sent(self, submits: list[engine_pb2.SubmitRequest]) -> None:
         """Number the submits of a message as the engine will count them, in sending order."""
+        if self._engine_counts_submits is False:
+            return
         for submit in submits:
             self._sent_submits += 1
             tokens = len(submit.prompt_token_ids)
             self._untaken.append((self._sent_submits, tokens))
             self._untaken_tokens += tokens
 
-    def _note_taken(self, taken: int) -> None:
-        """The engine's step counted the first `taken` submits of this session as taken in."""
+    def _note_taken(self, taken: int, has_updates: bool = False) -> None:
+        """The engine's step counted the first `taken` submits of this session as taken in
+        (`has_updates`: the step carried updates of this session's requests, so a count of 0
+        means an engine that does not count)."""
         if taken:
             self._engine_counts_submits = True
-        elif not self._engine_counts_submits:
-            self._untaken.clear()  # an engine that does not count them: nothing to go by
+        elif self._engine_counts_submits is None and has_updates:
+            self._engine_counts_submits = False  # nothing to go by: the report as it is
+        if self._engine_counts_submits is False:
+            self._untaken.clear()
             self._untaken_tokens = 0
             return
         untaken = self._untaken
@@ -197,7 +205,7 @@ class EngineConnection:
         self._aborts.clear()
         self._sent_submits = self._untaken_tokens = 0
         self._untaken.clear()
-        self._engine_counts_submits = False
+        self._engine_counts_submits = None
         self._sent_pacing = None  # a new session: tell it the pacing with its first message
         capacity.ready = True
         lora = ""
@@ -242,7 +250,7 @@ class EngineConnection:
             load = step.load
             capacity.free_blocks = load.free_blocks
             self.last_load = load
-            self._note_taken(step.submits_taken)
+            self._note_taken(step.submits_taken, len(step.updates) > 0)
             if load.total_blocks:
                 capacity.total_blocks = load.total_blocks
             capacity.reserved_blocks = 0

@@ -119,16 +119,19 @@ def test_prompts_sent_after_the_engines_last_report_count_as_queued() -> None:
             pool.capacity.max_num_seqs = pool.capacity.engine_max_inflight = 64
             pool.capacity.inflight = 30
             pool.last_load = busy_load(running=0, waiting=0, queued_prompt_tokens=1_000)
-            pool._note_taken(0)  # no submit counted yet
+            pool._count_sent([engine_pb2.SubmitRequest(prompt_token_ids=[1] * 500)] * 2)
+            pool._note_taken(2, has_updates=True)  # an engine that counts
             pool._count_sent([engine_pb2.SubmitRequest(prompt_token_ids=[1] * 500)] * 30)
             assert pool.unreported == (30, 15_000)
             view = EngineLoadView.of_connection(pool)
             assert view.queued_prompt_tokens == 16_000
             with pytest.raises(ResourceExhaustedError, match="wait about 1.6s"):
                 QueueDelayGate(1.0).check([pool], 0, 0)  # 16k tokens at 10k tokens/s
-            pool._note_taken(20)  # the next step's load counts the first 20 of them
+            pool._note_taken(2)  # a load-only step before the engine took any of them
+            assert pool.unreported == (30, 15_000)
+            pool._note_taken(22, has_updates=True)  # its load counts the first 20 of them
             assert pool.unreported == (10, 5_000)
-            pool._note_taken(30)
+            pool._note_taken(32)
             assert pool.unreported == (0, 0)
         finally:
             await pool.close()
@@ -145,7 +148,11 @@ def test_an_engine_that_does_not_count_submits_leaves_the_report_as_it_is() -> N
         pool = EngineConnection("127.0.0.1:1", None, None, lambda: None)
         try:
             pool._count_sent([engine_pb2.SubmitRequest(prompt_token_ids=[1, 2])] * 3)
-            pool._note_taken(0)  # never a count: an engine that predates the field
+            pool._note_taken(0)  # a load-only step: nothing taken in yet, or no count at all
+            assert pool.unreported == (3, 6)
+            pool._note_taken(0, has_updates=True)  # updates, yet no count: predates the field
+            assert pool.unreported == (0, 0)
+            pool._count_sent([engine_pb2.SubmitRequest(prompt_token_ids=[1, 2])])
             assert pool.unreported == (0, 0)
         finally:
             await pool.close()

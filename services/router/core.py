@@ -386,10 +386,12 @@ class RouterCore:
 
     def _tokenizer_lost(self, request_ids: set[str], sequence_numbers: set[int]) -> None:
         """A tokenizer replica went away: the requests whose text state it held fail."""
-        self.streamer.forget_pending(sequence_numbers)
-        lost = [self.running[rid] for rid in request_ids if rid in self.running]
+        lost = {rid: self.running[rid] for rid in request_ids if rid in self.running}
+        for request in self.streamer.forget_pending(sequence_numbers):
+            if request.request_id in self.running:  # its last text was on the way there
+                lost.setdefault(request.request_id, request)
         log.warning("tokenizer lost with %d requests in flight on it", len(lost))
-        for request in lost:
+        for request in lost.values():
             request.detokenizer_open = False
             self.end_request(request, UnavailableError("the tokenizer went away"))
 

@@ -214,7 +214,12 @@ class OutputStreamer:
         if self._pacing is not None:
             self._pacing.observe(tokens, now)
 
-    def forget_pending(self, sequence_numbers: set[int]) -> None:
-        """A detokenize session dropped: these unanswered messages will never come back."""
+    def forget_pending(self, sequence_numbers: set[int]) -> list[RouterRequest]:
+        """A detokenize session dropped: these unanswered messages will never come back. The
+        requests they carried text for (a request's last message unpins it from its replica
+        when sent, so only this says that its text is lost too)."""
+        lost: dict[str, RouterRequest] = {}
         for sequence_number in sequence_numbers:
-            self._pending.pop(sequence_number, None)
+            for entry in self._pending.pop(sequence_number, ()):
+                lost.setdefault(entry[0].request_id, entry[0])
+        return list(lost.values())

@@ -296,3 +296,18 @@ def test_each_engine_session_is_told_the_pacing_once_and_on_change() -> None:
     assert [m.HasField("pacing") for m in written] == [True, False, True]
     assert [m.pacing.tokens_per_update for m in written if m.HasField("pacing")] == [4, 8]
     assert written[0].pacing.max_hold_ms == 250 and len(written[1].submits) == 1
+
+
+def test_a_lost_message_names_the_requests_whose_text_it_carried() -> None:
+    """A request's last tokens go out in a message that unpins it from its tokenizer replica;
+    if that replica dies before answering, only the forgotten message knows whose text is
+    lost, so the router can fail the request instead of leaving its stream open."""
+    running = {"r": _streaming(1), "s": _streaming(1)}
+    running["s"].request_id = "s"
+    tokenizer = _Tokenizer()
+    streamer = OutputStreamer(running, tokenizer, _Releaser())
+    streamer.on_step("engine", _token_step(11, finish_reason=common_pb2.FINISH_REASON_LENGTH))
+    (last,) = tokenizer.sent
+    assert [update.finished for update in last.updates] == [True]
+    assert streamer.forget_pending({last.sequence_number}) == [running["r"]]
+    assert streamer.forget_pending({last.sequence_number}) == []  # forgotten once

@@ -89,7 +89,7 @@ class _Session:
 
     @property
     def submits_taken(self) -> int:
-        """How many of this session's submits, in order, are in the engine's load now (those
+        """How many of the stream's submits, in order, are in the engine's load now (those
         refused here count as taken: they never queue)."""
         return self.untaken[0][0] - 1 if self.untaken else self.received
 

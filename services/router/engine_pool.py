@@ -67,9 +67,9 @@ class EngineConnection:
         self._sent_pacing: tuple[int, int] | None = None
         self._outbox_ready = asyncio.Event()
         self._task: asyncio.Task | None = None
-        # Submits sent on this session, and those the engine's last step did not count as taken
-        # in yet, (number, prompt tokens) in sending order: their tokens are queued at the engine
-        # but not in the load it reported (router/queue_delay.py).
+        # Submits sent on the EngineSession stream, and those the engine's last step did not
+        # count as taken in yet, (number, prompt tokens) in sending order: their tokens are
+        # queued at the engine but not in the load it reported (router/queue_delay.py).
         self._sent_submits = 0
         self._untaken: deque[tuple[int, int]] = deque()
         self._untaken_tokens = 0
@@ -97,8 +97,8 @@ class EngineConnection:
             self._untaken_tokens += tokens
 
     def _note_taken(self, taken: int, has_updates: bool = False) -> None:
-        """The engine's step counted the first `taken` submits of this session as taken in
-        (`has_updates`: the step carried updates of this session's requests, so a count of 0
+        """The engine's step counted the first `taken` submits of the stream as taken in
+        (`has_updates`: the step carried updates of the stream's requests, so a count of 0
         means an engine that does not count)."""
         if taken:
             self._engine_counts_submits = True

@@ -16,17 +16,16 @@ Prints and writes a JSON report: refused and admitted counts, the admitted reque
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
-import os
-import platform
 import shlex
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from benchmarks.faults import cpu_name
 
 
 def bench(target: str, out: Path, *flags: str) -> dict[str, Any]:
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     details, summary = burst["details"], burst["summary"]
     ttft = summary["ttft_ms"]
     report = {
-        "device": f"{cpu_name()}, {os.cpu_count()} CPUs (engine on {args.device})",
+        "device": f"{cpu_name()} (engine on {args.device})",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(
             ["python", "-m", "benchmarks.burst_admission", *(argv or sys.argv[1:])]
@@ -91,15 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "engines"}), flush=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
-
-
-def cpu_name() -> str:
-    """This machine's CPU model (Linux), else what the platform says."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -455,9 +454,9 @@ def _device_name(device: str) -> str:
 
         if torch.cuda.is_available():
             return torch.cuda.get_device_name()
-    from benchmarks.burst_admission import cpu_name
+    from benchmarks.faults import cpu_name
 
-    return f"{cpu_name()}, {os.cpu_count()} CPUs"
+    return cpu_name()
 
 
 if __name__ == "__main__":

@@ -19,20 +19,21 @@ import argparse
 import datetime
 import json
 import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks.faults import cpu_name
+from benchmarks.gpu_soak import run_bench
 
 
 def bench(target: str, out: Path, *flags: str) -> dict[str, Any]:
     """One `sluice bench` run in a child process; its report."""
-    command = [sys.executable, "-m", "loadtest", "--target", target, "--out", str(out)]
-    subprocess.run([*command, "--no-progress", *flags], check=True, capture_output=True)
-    return json.loads(out.read_text())
+    report, _, code, stderr = run_bench(target, out, list(flags))
+    if report is None or code != 0:
+        raise RuntimeError(f"sluice bench exited {code}: {stderr}")
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -281,20 +281,20 @@ def bench_phases(scale: float, names: list[str], context: int) -> dict[str, list
     }  # fmt: skip
 
 
-def run_bench(target: str, name: str, flags: list[str], out_dir: Path, timeout_s: float):
-    """`sluice bench` in a child process; (its report's details, seconds, the child's exit)."""
-    path = out_dir / f"{name}.json"
-    command = [
-        sys.executable, "-m", "loadtest", "--target", target, "--out", str(path),
-        "--no-progress", "--timeout-s", "120", *flags,
-    ]  # fmt: skip
+def run_bench(
+    target: str, path: Path, flags: list[str], timeout_s: float | None = None
+) -> tuple[dict[str, Any] | None, float, int, str]:
+    """`sluice bench` in a child process, its report written to `path`: (the report, None if it
+    wrote none; seconds taken; the child's exit status; the tail of its stderr)."""
+    command = [sys.executable, "-m", "loadtest", "--target", target, "--out", str(path)]
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run(
+        [*command, "--no-progress", *flags], capture_output=True, text=True, timeout=timeout_s
+    )
     seconds = round(time.perf_counter() - started, 1)
     if not path.exists():
         return None, seconds, done.returncode, done.stderr[-2000:]
-    report = json.loads(path.read_text())
-    return report, seconds, done.returncode, ""
+    return json.loads(path.read_text()), seconds, done.returncode, ""
 
 
 def load_checks(
@@ -302,7 +302,9 @@ def load_checks(
 ) -> dict[str, Any]:
     phases: dict[str, Any] = {}
     for name, flags in bench_phases(scale, names, context).items():
-        report, seconds, code, stderr = run_bench(target, name, flags, out_dir, timeout_s=600)
+        path = out_dir / f"{name}.json"
+        flags = ["--timeout-s", "120", *flags]
+        report, seconds, code, stderr = run_bench(target, path, flags, timeout_s=600)
         if report is None:
             checks.add(f"load: {name} ran", False, f"exit {code}: {stderr}")
             continue

@@ -124,21 +124,25 @@ def llama_8b_projections(
     return slots, weights
 
 
+def baseline_shrink(shrink: Callable[..., None]) -> Callable[..., None]:
+    """A baseline's lora_shrink as the runtime calls it: one that takes no workspace (its
+    splits added atomically) is called without `partials` and `counters`."""
+    if "partials" in inspect.signature(shrink).parameters:
+        return shrink
+
+    def without_workspace(*args: Any, partials: Any = None, counters: Any = None, **kw: Any):
+        shrink(*args, **kw)
+
+    return without_workspace
+
+
 def runtimes(
     slots: LoRASlots, baseline: tuple[ModuleType, ModuleType]
 ) -> dict[str, tuple[runtime_mod.LoRARuntime, bool]]:
     """Each LoRA variant: its runtime and whether it runs through `project`."""
     old = runtime_mod.LoRARuntime(slots, kernels="triton", max_rows=8192)
-    old_shrink, old_expand = baseline[0].lora_shrink, baseline[1].lora_expand
-
-    def shrink(*args: Any, **kwargs: Any) -> None:
-        if "partials" in inspect.signature(old_shrink).parameters:
-            old_shrink(*args, **kwargs)
-            return
-        kwargs.pop("partials", None), kwargs.pop("counters", None)  # splits added atomically
-        old_shrink(*args, **kwargs)
-
-    old._shrink = shrink
+    old_expand = baseline[1].lora_expand
+    old._shrink = baseline_shrink(baseline[0].lora_shrink)
 
     def expand(*args: Any, sub_blocks: int = 1, write: bool = False, **kwargs: Any) -> None:
         assert not write, "the baseline runs through apply (deltas added after the matmul)"

@@ -44,11 +44,7 @@ def make_runtime(
     runtime = runtime_mod.LoRARuntime(slots, kernels="triton", max_rows=8192)
     runtime.graph_deltas_first = deltas_first
     if old_shrink is not None:
-
-        def shrink(*args: Any, partials: Any = None, counters: Any = None, **kwargs: Any) -> None:
-            old_shrink(*args, **kwargs)
-
-        runtime._shrink = shrink
+        runtime._shrink = ab.baseline_shrink(old_shrink)
     return runtime
 
 

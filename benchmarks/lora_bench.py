@@ -6,7 +6,8 @@ with the LoRA runtime bound (graphs captured again with the shrink/expand kernel
 replay) and 64 slots of random rank-16 adapters on all seven projections:
 
 - decode, batch of 64: base rows only through the LoRA-capable graphs, one adapter for the
-  whole batch, 8 adapters, and 64 distinct adapters (one per row);
+  whole batch (its LoRA inside the base kernels, services/engine/lora/fused.py, and the same
+  step through the LoRA kernels' graphs), 8 adapters, and 64 distinct adapters (one per row);
 - prefill of 8192 tokens: 4 sequences of 2048 tokens (4 adapters) and 8 sequences of 1024
   tokens (8 adapters), each against its own base step;
 - eager steps (16 prompts of 512 tokens; 12 of 512 with 128 decode rows; the two prefills
@@ -258,6 +259,12 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     lora = {
         name: time_steps(runner_step(runner, adapters, b), it, sync) for name, b in cases.items()
     }
+    fused = adapters.runtime.fused
+    if fused is not None:  # the same step through the LoRA kernels' graphs, same run
+        adapters.runtime.fused = None
+        one = runner_step(runner, adapters, cases["decode64_one_adapter"])
+        lora["decode64_one_adapter_lora_kernels"] = time_steps(one, it, sync)
+        adapters.runtime.fused = fused
     for label, batch in prefills.items():
         count = len(batch.sequences)
         lora[f"prefill{label}_{count}_adapters"] = time_steps(
@@ -275,6 +282,14 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {
         "decode64_base_rows": lora["decode64_base_rows"] / base["decode64"],
         "decode64_one_adapter": lora["decode64_one_adapter"] / base["decode64"],
+        **(
+            {}
+            if fused is None
+            else {
+                "decode64_one_adapter_lora_kernels": lora["decode64_one_adapter_lora_kernels"]
+                / base["decode64"]
+            }
+        ),
         "decode64_8_adapters": lora["decode64_8_adapters"] / base["decode64"],
         "decode64_64_adapters": lora["decode64_64_adapters"] / base["decode64"],
         "prefill4x2048_4_adapters": lora["prefill4x2048_4_adapters"] / base["prefill4x2048"],

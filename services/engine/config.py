@@ -157,6 +157,14 @@ class EngineConfig:
         "atomics instead: the projections of a LoRA decode step 2-6 %% faster (BENCHMARKS.md), "
         "answers that may change from run to run where two tokens are nearly tied",
     )
+    lora_fused_decode: bool = field(
+        True,
+        help="on a GPU, decode steps whose adapter rows all use one adapter run its LoRA "
+        "inside the base kernels (A below each projection's weight, the expand in the norm, "
+        "SwiGLU and rotary kernels after it) instead of as kernels of their own, for the "
+        "device memory of one more adapter of max_lora_rank on all seven projections; "
+        "--no-lora-fused-decode runs the LoRA kernels there too",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):

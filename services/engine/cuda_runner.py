@@ -45,6 +45,7 @@ from services.engine.sequence import PENDING_TOKEN
 
 if TYPE_CHECKING:
     from services.engine.lora.engine_adapters import EngineAdapters
+    from services.engine.lora.fused import FusedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ SKINNY_ROW_COUNTS = (1, 2, 4, 8)
 LORA_GRAPHS = "lora"
 LORA_MANY_GRAPHS = "lora-many"
 MANY_ADAPTERS = 4
+# Decode graphs for steps whose adapter rows all use one adapter, its LoRA folded into the base
+# kernels (services/engine/lora/fused.py): no LoRA kernel launches at all.
+LORA_ONE_GRAPHS = "lora-one"
 
 
 def fast_path_unsupported(config: ModelConfig) -> str | None:
@@ -203,8 +207,9 @@ class CudaModelRunner(BaseModelRunner):
         """Wrap the projections (the fast path's tuned ones too) and capture the decode graphs
         again as a "lora" variant with the LoRA kernels in every replay (slot indices are graph
         inputs, so a new adapter mix needs no recapture), and the small buckets once more for
-        steps of many adapters ("lora-many"); a step without adapter rows keeps replaying the
-        base graphs, which do no LoRA work."""
+        steps of many adapters ("lora-many"); with `fused_decode`, once more for steps of one
+        adapter, whose LoRA runs inside the base kernels ("lora-one"). A step without adapter
+        rows keeps replaying the base graphs, which do no LoRA work."""
         super().bind_lora(adapters)
         if self.fast is None or not self.use_cuda_graphs:
             return
@@ -221,16 +226,58 @@ class CudaModelRunner(BaseModelRunner):
                 self.fast.capture_graphs(LORA_MANY_GRAPHS, max_size=small)
         finally:
             runtime.launch_always = runtime.graph_deltas_first = False
+        if adapters.config.fused_decode and self.tensor_parallel is None:
+            runtime.fused = self._capture_fused(adapters)
 
         def select(bucket: int) -> str:
             batch = runtime.batch
             if batch.is_empty:
                 return BASE
+            fused = runtime.fused  # None: steps of one adapter replay the "lora" graphs
+            if fused is not None and fused.supports(batch) and graphs.has(LORA_ONE_GRAPHS, bucket):
+                fused.prepare(batch, bucket)
+                return LORA_ONE_GRAPHS
             if len(batch.distinct_slots) >= MANY_ADAPTERS and graphs.has(LORA_MANY_GRAPHS, bucket):
                 return LORA_MANY_GRAPHS
             return LORA_GRAPHS
 
         graphs.select_variant = select
+
+    def _capture_fused(self, adapters: EngineAdapters) -> FusedDecode | None:
+        """Fold one adapter's LoRA into the base kernels and capture the "lora-one" graphs;
+        None (those steps keep the "lora" graphs) where a projection cannot take it or the
+        capture fails."""
+        from services.engine.lora.fused import FusedDecode, captured, fusable
+        from services.engine.lora.wrap import LoRALinear
+
+        slots, runtime = adapters.slots, adapters.runtime
+        bases = []
+        for module in self.model.modules():
+            if isinstance(module, LoRALinear):
+                shape = slots.shapes[module.projection]
+                if not fusable(module.base, shape.out_features, shape.in_features, slots.dtype):
+                    logger.info("LoRA decode not fused: %s is not a plain projection", module)
+                    return None
+                bases.append((module.layer, module.projection, module.base))
+        started = time.perf_counter()
+        fused = FusedDecode(slots, self.fast.graphs.max_batch_size)
+        fused.bind(bases)
+        runtime.fused = fused
+        self.fast.bind_epilogues(fused)
+        try:
+            captured(fused, lambda: self.fast.capture_graphs(LORA_ONE_GRAPHS))
+        except Exception:  # any model the fast path takes should fold; say so and go on
+            logger.exception("LoRA decode not fused: capturing the one-adapter graphs failed")
+            self.fast.graphs.drop(LORA_ONE_GRAPHS)
+            self.fast.bind_epilogues(None)
+            runtime.fused = None
+            return None
+        logger.info(
+            "LoRA decode of one adapter fused into the base kernels: %.1f MB, captured in %.1fs",
+            fused.nbytes / 1e6,
+            time.perf_counter() - started,
+        )
+        return fused
 
     def _tune_skinny_matmuls(self) -> str:
         """Bind the skinny-matmul choices saved for this GPU, shape, dtype and kernel code

@@ -53,10 +53,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def _llm(directory: Path, device: str, quantum_ms: float | None = None, max_loras: int = 2) -> LLM:
+def _llm(
+    directory: Path,
+    device: str,
+    quantum_ms: float | None = None,
+    max_loras: int = 2,
+    fused_decode: bool = True,
+) -> LLM:
     slicing = {} if quantum_ms is None else {"lora_slot_quantum_ms": quantum_ms}
     config = EngineConfig(
         **slicing,
+        lora_fused_decode=fused_decode,
         model=str(directory / "base"),
         device=device,
         dtype="float32",
@@ -108,13 +115,41 @@ def test_mixed_adapters_on_cuda_match_alone_and_the_cpu_engine(model_dir: Path) 
     assert agreeing >= len(jobs) * MAX_TOKENS // 2
     assert gpu.engine.adapters.manager.num_slot_writes > 2  # two slots served four adapters
     graphs = gpu.engine.runner.fast.graphs
-    assert graphs.variants == ("base", "lora", "lora-many")
+    assert graphs.variants == ("base", "lora", "lora-many", "lora-one")
+    assert graphs.replays["lora-one"] > 0  # each adapter alone
     lora_replays = graphs.replays["lora"]
     assert lora_replays > 0
     base_replays = graphs.replays["base"]
     gpu.generate(PROMPTS, greedy)  # no adapter rows: the graphs without the LoRA kernels
     assert graphs.replays["base"] > base_replays and graphs.replays["lora"] == lora_replays
     for llm in (gpu, cpu):
+        llm.engine.shutdown()
+    torch.cuda.synchronize()
+
+
+def test_steps_of_one_adapter_fold_its_lora_into_the_base_kernels(model_dir: Path) -> None:
+    """Decode steps whose adapter rows all use one adapter (beside base rows) replay the
+    "lora-one" graphs, the LoRA inside the base matmul and the kernels after it: the same
+    tokens and log-probabilities as the LoRA kernels give (--no-lora-fused-decode), for four
+    adapters taking turns on two slots (a slot's new contents are copied in again)."""
+    fused = _llm(model_dir, "cuda")
+    plain = _llm(model_dir, "cuda", fused_decode=False)
+    assert "lora-one" not in plain.engine.runner.fast.graphs.variants
+    scored = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for name in [*ADAPTERS, *reversed(ADAPTERS)]:
+        for params in (scored, greedy):
+            got = fused.generate(PROMPTS, params, adapters=[name, None])
+            want = plain.generate(PROMPTS, params, adapters=[name, None])
+            for fast, slow in zip(got, want, strict=True):
+                assert fast.token_ids == slow.token_ids, name
+                for mine, theirs in zip(fast.logprobs or [], slow.logprobs or [], strict=True):
+                    assert abs(mine.logprob - theirs.logprob) < 1e-3, (name, mine, theirs)
+    graphs = fused.engine.runner.fast.graphs
+    assert graphs.replays["lora-one"] > 0 and graphs.replays["lora"] == 0
+    assert fused.engine.adapters.runtime.fused.activations >= 2 * len(ADAPTERS) - 1
+    assert plain.engine.runner.fast.graphs.replays["lora"] > 0
+    for llm in (fused, plain):
         llm.engine.shutdown()
     torch.cuda.synchronize()
 

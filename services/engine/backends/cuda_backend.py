@@ -4,7 +4,8 @@ Registered as "cuda" (base.py imports this module lazily, so CPU machines never 
 Triton). Each layer's forward stores the step's K/V with the store kernel, then runs the
 split-K decode kernel for pure-decode steps or the varlen causal prefill kernel (cached prefix,
 mixed batches) otherwise; dispatch lives in cuda_attention.CudaPagedAttention. With rotary
-tables bound (the CUDA fast path), `forward_rotary` rotates q/k in the store kernel itself.
+tables bound (the CUDA fast path), `forward_rotary` rotates q/k in the store kernel itself,
+and adds a LoRA delta awaiting the QKV output there (`epilogues`: services/engine/lora/fused.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
 from services.engine.backends.base import AttentionBackend, register_backend
 from services.engine.backends.cuda_attention import CudaPagedAttention
+from services.engine.kernels.triton.lora_epilogue import EpilogueSource
 from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
 from services.engine.layers.attention_metadata import AttentionMetadata
 
@@ -31,6 +33,7 @@ class CudaAttentionBackend(AttentionBackend):
         self._attention = CudaPagedAttention()
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
+        self.epilogues: EpilogueSource | None = None  # set by the fast path with LoRA bound
 
     def bind_rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate q/k in the KV-store kernel from now on: cos/sin float32 [positions, D // 2]."""
@@ -63,8 +66,9 @@ class CudaAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if self._cos is None or self._sin is None:
             raise FailedPreconditionError("the cuda backend has no rotary tables bound")
+        lora = None if self.epilogues is None else self.epilogues.take(query)
         query = rotary_kv_store(
             query, key, value, positions, self._cos, self._sin, metadata.slot_mapping,
-            key_cache, value_cache,
+            key_cache, value_cache, lora=lora,
         )  # fmt: skip
         return self._attention.forward(query, key_cache, value_cache, metadata, self.scale)

@@ -27,6 +27,7 @@ from services.common.errors import InvalidArgumentError
 from services.engine.backends.base import AttentionBackend
 from services.engine.backends.cuda_backend import CudaAttentionBackend
 from services.engine.cuda_graph import BASE, DEFAULT_BUCKETS, DecodeCudaGraphs
+from services.engine.kernels.triton.lora_epilogue import EpilogueSource
 from services.engine.kernels.triton.rms_norm import rms_norm
 from services.engine.kernels.triton.skinny_matmul import pick_fastest, skinny_matmul
 from services.engine.kernels.triton.swiglu import swiglu
@@ -37,7 +38,11 @@ _ROLES = {"qkv_proj": "qkv", "o_proj": "output", "gate_up_proj": "gate_up", "dow
 
 
 class TritonOps:
-    """The fused element-wise Triton kernels (layers/fused_ops.FusedOps) for CUDA tensors."""
+    """The fused element-wise Triton kernels (layers/fused_ops.FusedOps) for CUDA tensors; each
+    adds the LoRA delta awaiting its input, if any (`epilogues`, set with LoRA bound)."""
+
+    def __init__(self) -> None:
+        self.epilogues: EpilogueSource | None = None
 
     def supports(self, x: torch.Tensor) -> bool:
         return x.is_cuda
@@ -45,10 +50,12 @@ class TritonOps:
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, residual, weight, eps)
+        lora = None if self.epilogues is None else self.epilogues.take(x)
+        return rms_norm(x, residual, weight, eps, lora=lora)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return swiglu(gate_up)
+        lora = None if self.epilogues is None else self.epilogues.take(gate_up)
+        return swiglu(gate_up, lora=lora)
 
 
 class TunedLinear(nn.Module):
@@ -66,10 +73,15 @@ class TunedLinear(nn.Module):
         self.active = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_with(x, self.weight)
+
+    def forward_with(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x weightᵀ (+ b) the way this projection runs its own weight at x's row count (the
+        LoRA runtime hands it its weight with an adapter's A below: lora/fused.py)."""
         config = self.choices.get(x.shape[0]) if self.active else None
         if config is None or self.bias is not None:
-            return functional.linear(x, self.weight, self.bias)
-        return skinny_matmul(x, self.weight, config)
+            return functional.linear(x, weight, self.bias)
+        return skinny_matmul(x, weight, config)
 
     def plain_weight(self, rows: int) -> torch.Tensor | None:
         """The weight where `rows` rows take cuBLAS's plain x Wᵀ (no bias, no tuned choice):
@@ -115,12 +127,13 @@ class CudaFastPath:
             max(graph_buckets), max_blocks_per_seq, model.config.vocab_size, self.device
         )
         self.graphs = DecodeCudaGraphs(self._graph_step, graph_buckets)
+        self.ops = TritonOps()
         self._bind()
 
     # ---- binding --------------------------------------------------------------------------
     def _bind(self) -> None:
         model = self.model
-        model.use_fused_ops(TritonOps())
+        model.use_fused_ops(self.ops)
         for layer, key_cache, value_cache in zip(
             model.attention_layers, self.key_caches, self.value_caches, strict=True
         ):
@@ -150,6 +163,12 @@ class CudaFastPath:
             yield
         finally:
             self._bind()
+
+    def bind_epilogues(self, source: EpilogueSource | None) -> None:
+        """Let the norms, SwiGLU and the rotary KV store add the LoRA deltas `source` holds
+        for their inputs (None: stop)."""
+        self.ops.epilogues = source
+        self.attention.epilogues = source
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         config = self.head_choices.get(hidden.shape[0])

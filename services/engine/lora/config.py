@@ -1,7 +1,8 @@
 """The engine's LoRA settings: one frozen, validated dataclass.
 
 The same fields sit in EngineConfig (flags `--max-loras`, `--max-cpu-loras`, `--max-lora-rank`,
-`--adapter-root`, `--lora-slot-quantum-ms`, `--lora-deterministic` and their `SLUICE_*`
+`--adapter-root`, `--lora-slot-quantum-ms`, `--lora-deterministic`, `--lora-fused-decode` and
+their `SLUICE_*`
 variables, with the help text there);
 `LoRAConfig.from_engine_config` takes them from it and validates them. Adapters are off until
 `adapter_root` is set: without it no slot memory is allocated and every adapter name is unknown.
@@ -31,6 +32,8 @@ class LoRAConfig:
     slot_quantum_ms: float = DEFAULT_SLOT_QUANTUM_MS  # 0: no time-slicing of device slots
     # GPU kernels: K splits summed in a fixed order (False: float atomics, order of finishing)
     deterministic: bool = True
+    # CUDA fast path: decode steps of one adapter fold its LoRA into the base kernels
+    fused_decode: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):
@@ -45,8 +48,9 @@ class LoRAConfig:
         quantum = self.slot_quantum_ms
         if isinstance(quantum, bool) or not isinstance(quantum, int | float) or quantum < 0:
             raise InvalidArgumentError(f"slot_quantum_ms must be >= 0, got {quantum!r}")
-        if not isinstance(self.deterministic, bool):
-            raise InvalidArgumentError(f"deterministic must be a bool, got {self.deterministic!r}")
+        for name in ("deterministic", "fused_decode"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.adapter_root is not None and (
             not isinstance(self.adapter_root, str) or not self.adapter_root.strip()
         ):
@@ -68,4 +72,6 @@ class LoRAConfig:
             values["slot_quantum_ms"] = config.lora_slot_quantum_ms
         if hasattr(config, "lora_deterministic"):
             values["deterministic"] = config.lora_deterministic
+        if hasattr(config, "lora_fused_decode"):
+            values["fused_decode"] = config.lora_fused_decode
         return cls(**values)

@@ -43,6 +43,7 @@ from services.engine.lora.torch_ops import add_lora, add_lora_grouped, write_lor
 
 if TYPE_CHECKING:  # the native CPU kernels are loaded by the CPU runner, when it has them
     from services.engine.kernels.cpu.cpu_native import CpuKernels
+    from services.engine.lora.fused import FusedDecode
 
 KERNELS = ("torch", "triton")
 # torch: one batched matmul over all slots (add_lora_grouped) instead of a loop over segments
@@ -116,6 +117,9 @@ class LoRARuntime:
         # triton: the shrink sums its K splits in split order (the same bits every run), not
         # with float atomics in the order they finish.
         self.ordered_sums = ordered_sums
+        # On the CUDA fast path: one adapter's LoRA folded into the base kernels, for the decode
+        # graphs the runner captures for steps of one adapter (services/engine/lora/fused.py).
+        self.fused: FusedDecode | None = None
         if kernels == "triton":
             self._init_kernel_buffers(max_rows)
 
@@ -288,7 +292,11 @@ class LoRARuntime:
         the matmul's output once both are done: the shrink's latency leaves the step's critical
         path, at no host cost when the graph replays. In wider graphs and in eager steps
         (prefill and mixed) whose base is a plain x Wᵀ, the deltas are written first and the
-        base matmul adds onto them (`_base_onto_deltas`). Otherwise as apply."""
+        base matmul adds onto them (`_base_onto_deltas`). While the graphs of one adapter are
+        captured, `fused` takes the projection (no LoRA kernel at all). Otherwise as apply."""
+        fused = self.fused
+        if fused is not None and fused.capturing:
+            return fused.project(layer, projection, x, base)
         weight = self._deltas_first_weight(layer, projection, x, base)
         if weight is not None:
             return self._base_onto_deltas(layer, projection, x, weight)

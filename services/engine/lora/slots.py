@@ -113,6 +113,8 @@ class LoRASlots:
             name: ranks[:max_loras] for name, ranks in self.kernel_rank_tensors.items()
         }
         self.names: list[str | None] = [None] * max_loras
+        # Bumped by every write or clear of a slot: a copy of its factors made before is stale.
+        self.generations: list[int] = [0] * max_loras
         self._copy_stream: torch.cuda.Stream | None = None  # made on the first async write
 
     @property
@@ -160,6 +162,7 @@ class LoRASlots:
 
     def _write(self, slot: int, weights: AdapterWeights) -> None:
         rank = weights.rank
+        self.generations[slot] += 1
         if weights.stacked is None:
             self.clear(slot)
             for layer, projections in enumerate(weights.layers):
@@ -204,6 +207,7 @@ class LoRASlots:
 
     def clear(self, slot: int) -> None:
         """Zero `slot` where its last adapter wrote (the rest is zero already)."""
+        self.generations[slot] += 1
         for name in PROJECTIONS:
             if self.ranks[name][slot]:
                 self._zero(name, slot, 0, self.ranks[name][slot])

@@ -2,7 +2,9 @@
 
 Llama runs `residual = x + residual; x = rms_norm(residual) * weight` twice per layer; fusing
 the add into the norm saves two passes over the hidden states, which matters in decode where
-every step is a chain of small memory-bound kernels.
+every step is a chain of small memory-bound kernels. x may be a row view of a wider tensor
+(unit column stride); with a `LoRAEpilogue` (kernels/triton/lora_epilogue.py) each row of x
+first gets its adapter's delta, read from the columns the projection's matmul wrote beside it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ import triton
 import triton.language as tl
 
 from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+from services.engine.kernels.triton.lora_epilogue import (
+    LoRAEpilogue,
+    check,
+    epilogue_args,
+    lora_delta,
+    row_rank,
+)
 
 
 @triton.jit
@@ -22,8 +31,16 @@ def _rms_norm_kernel(
     out_ptr,
     residual_out_ptr,
     hidden_size,
+    x_stride,
     eps,
+    u_ptr,
+    u_stride,
+    bt_ptr,
+    rows_on_ptr,
+    rank_ptr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    SLICE_WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -31,7 +48,15 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < hidden_size
-    x = tl.load(x_ptr + row * hidden_size + offsets, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * x_stride + offsets, mask=mask, other=0.0)
+    if HAS_LORA:
+        rank = row_rank(rows_on_ptr, rank_ptr, row)
+        u_row = u_ptr + row * u_stride
+        x = x.to(tl.float32)
+        x += lora_delta(u_row, bt_ptr, hidden_size, offsets, mask, rank, SLICE_WIDTH)
+        if not HAS_RESIDUAL:
+            x = x.to(residual_out_ptr.dtype.element_ty)
+            tl.store(residual_out_ptr + row * hidden_size + offsets, x, mask=mask)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * hidden_size + offsets, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
@@ -56,19 +81,31 @@ def norm_warps(block: int) -> int:
 
 
 def rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    lora: LoRAEpilogue | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new_residual) for x [T, H]; new_residual = x + residual, or x when None."""
-    x = x.contiguous()
+    """(normed, new_residual) for x [T, H]; new_residual = x + residual, or x when None.
+
+    With `lora`, x + each row's LoRA delta stands for x (and is the new residual when there is
+    none)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     rows, hidden_size = x.shape
-    out = torch.empty_like(x)
-    if residual is None:
+    out = torch.empty((rows, hidden_size), dtype=x.dtype, device=x.device)
+    if residual is None and lora is None:
         residual_out = x
     else:
-        residual_out = torch.empty_like(x)
+        residual_out = torch.empty_like(out)
+    if residual is not None:
         residual = residual.contiguous()
     if rows == 0:
         return out, residual_out
+    if lora is not None:
+        check(lora, rows, hidden_size, 1)
+    lora_args, lora_options = epilogue_args(x, lora)
     block = triton.next_power_of_2(hidden_size)
     _rms_norm_kernel[(rows,)](
         x,
@@ -77,8 +114,11 @@ def rms_norm(
         out,
         residual_out,
         hidden_size,
+        x.stride(0),
         eps,
+        *lora_args,
         HAS_RESIDUAL=residual is not None,
+        **lora_options,
         BLOCK=block,
         num_warps=norm_warps(block),
         **pdl_options(x.device),

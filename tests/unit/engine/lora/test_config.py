@@ -74,3 +74,13 @@ def test_the_determinism_flag_reaches_the_kernels() -> None:
         x = torch.zeros(3, config.hidden_size)
         runtime.apply(0, "qkv_proj", x, torch.zeros(3, slots.shapes["qkv_proj"].out_features))
         assert len(seen) == 1 and (seen[0]["partials"] is not None) is ordered
+
+
+def test_the_fused_decode_flag_reaches_the_lora_config() -> None:
+    from services.engine.worker_config import WorkerConfig
+
+    assert LoRAConfig.from_engine_config(EngineConfig()).fused_decode
+    engine = WorkerConfig.from_argv(["--no-lora-fused-decode"]).engine
+    assert not LoRAConfig.from_engine_config(engine).fused_decode
+    with pytest.raises(InvalidArgumentError, match="fused_decode"):
+        LoRAConfig(fused_decode="yes")

@@ -1,0 +1,144 @@
+"""One adapter's LoRA delta added inside the kernel that reads a projection's output.
+
+In a decode step whose adapter rows all use one adapter, its shrink runs inside the base
+matmul: the projection's weight carries that adapter's A as extra output rows, so `x [W; A]ᵀ`
+gives each row its projection output y and, in the columns after it, u = x Aᵀ
+(services/engine/lora/fused.py). The expand, `y += u Bᵀ`, then needs no launch of its own:
+whatever kernel reads y next (the residual add + RMSNorm, SwiGLU, the rotary + KV-cache store)
+adds each element's `Σₖ u[k] Bᵀ[k, column]` as it loads it. `LoRAEpilogue` names what such a
+kernel reads: u (a column view of the wider matmul's output), Bᵀ ([rank, out], the adapter's
+scale folded in), whether each row is the adapter's (a row of the base model adds nothing) and
+the adapter's rank in this projection (0 where it leaves the projection alone). Those two are
+separate loads, not one through the other, so no load of a kernel waits on another's result
+before the tile loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = tl.constexpr(8)  # ranks whose loads lora_delta issues at once
+
+
+@dataclass(frozen=True)
+class LoRAEpilogue:
+    """What a consumer kernel reads to add one adapter's deltas to a projection's output."""
+
+    u: torch.Tensor  # [rows, slices * slice_width] view: each slice's x Aᵀ (unit column stride)
+    bt: torch.Tensor  # [slice_width, out] contiguous: Bᵀ of the whole projection output
+    rows_on: torch.Tensor  # int32 [>= rows]: 1 for a row of the adapter, 0 otherwise
+    rank: torch.Tensor  # int32 [1]: the adapter's rank in this projection
+    slice_width: int  # u columns per slice (the slots' largest rank)
+
+    def kernel_args(self) -> tuple:
+        """(u, u row stride, Bᵀ, rows on, rank) as the kernels take them (the slice width
+        goes as the constexpr SLICE_WIDTH)."""
+        return (self.u, self.u.stride(0), self.bt, self.rows_on, self.rank)
+
+
+class EpilogueSource(Protocol):
+    """Where a consumer kernel's caller finds the delta awaiting its input, if any."""
+
+    def take(self, x: torch.Tensor) -> LoRAEpilogue | None:
+        """The epilogue of the projection output `x` starts at; None when none awaits it."""
+        ...
+
+
+def epilogue_args(tensor: torch.Tensor, lora: LoRAEpilogue | None) -> tuple[tuple, dict]:
+    """(positional, keyword) kernel arguments of `lora`, or placeholders never read when a
+    kernel runs without one (`tensor` any tensor of the call)."""
+    if lora is None:
+        return (tensor, 0, tensor, tensor, tensor), {"HAS_LORA": False, "SLICE_WIDTH": CHUNK}
+    return lora.kernel_args(), {"HAS_LORA": True, "SLICE_WIDTH": lora.slice_width}
+
+
+@triton.jit
+def row_rank(rows_on_ptr, rank_ptr, row):
+    """The rank of `row`'s delta in this projection (0: nothing to add)."""
+    return tl.load(rows_on_ptr + row) * tl.load(rank_ptr)
+
+
+@triton.jit
+def lora_delta(u_ptr, bt_ptr, bt_stride, columns, mask, rank, SLICE_WIDTH: tl.constexpr):
+    """Σ_{k < rank} u[k] · Bᵀ[k, columns], float32, in the shape of `columns` (u_ptr at the
+    row's slice of u; masked lanes 0). Ranks go CHUNK at a time, their loads issued together;
+    chunks at or past `rank` (<= SLICE_WIDTH) are skipped."""
+    delta = tl.zeros_like(columns).to(tl.float32)
+    for start in range(0, SLICE_WIDTH, CHUNK):
+        if start < rank:
+            for step in tl.static_range(CHUNK):
+                k = start + step
+                live = k < rank
+                weight = tl.load(u_ptr + k, mask=live, other=0.0).to(tl.float32)
+                factor = tl.load(bt_ptr + k * bt_stride + columns, mask=mask & live, other=0.0)
+                delta += weight * factor.to(tl.float32)
+    return delta
+
+
+@triton.jit
+def block_ranks(rows_on_ptr, rank_ptr, rows, row_mask):
+    """(each of `rows`' rank in this projection (0 past row_mask), the adapter's rank)."""
+    rank = tl.load(rank_ptr)
+    return tl.load(rows_on_ptr + rows, mask=row_mask, other=0) * rank, rank
+
+
+@triton.jit
+def lora_block_delta(
+    u_ptr,
+    u_stride,
+    rows,
+    row_mask,
+    ranks,
+    top,
+    bt_ptr,
+    bt_stride,
+    columns,
+    column_mask,
+    SLICE_WIDTH: tl.constexpr,
+    R_P: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """[rows, columns] float32: row i's Σ_{k < ranks[i]} u[rows[i], k] Bᵀ[k, columns[j]], one
+    tensor-core product for a block of rows (Bᵀ read once for all of them, up to `top`, the
+    block's largest rank; u_ptr at the slice of u). IEEE: full float32 products (no TF32)."""
+    ks = tl.arange(0, R_P)
+    u = tl.load(
+        u_ptr + rows[:, None].to(tl.int64) * u_stride + ks[None, :],
+        mask=row_mask[:, None] & (ks[None, :] < SLICE_WIDTH),
+        other=0.0,
+    )
+    u = tl.where(ks[None, :] < ranks[:, None], u, 0.0)  # masked after: no wait on the ranks
+    bt = tl.load(
+        bt_ptr + ks[:, None] * bt_stride + columns[None, :],
+        mask=(ks[:, None] < top) & column_mask[None, :],
+        other=0.0,
+    )
+    if IEEE:
+        return tl.dot(u, bt, input_precision="ieee")
+    return tl.dot(u, bt)
+
+
+def block_options(lora: LoRAEpilogue) -> dict:
+    """The constexprs of a kernel that adds `lora` with lora_block_delta."""
+    return {
+        "SLICE_WIDTH": lora.slice_width,
+        "R_P": max(16, triton.next_power_of_2(lora.slice_width)),
+        "IEEE": lora.u.dtype == torch.float32,
+    }
+
+
+def check(epilogue: LoRAEpilogue, rows: int, width: int, slices: int) -> None:
+    """Shapes a consumer of `rows` rows of a `width`-column projection output of `slices`
+    slices needs (raises ValueError otherwise)."""
+    u, bt = epilogue.u, epilogue.bt
+    if u.shape[0] < rows or u.stride(1) != 1 or u.shape[1] < slices * epilogue.slice_width:
+        raise ValueError(f"u {tuple(u.shape)} does not hold {slices} slices for {rows} rows")
+    if bt.shape != (epilogue.slice_width, width) or not bt.is_contiguous():
+        raise ValueError(f"Bᵀ {tuple(bt.shape)} is not a contiguous [rank, {width}] matrix")
+    if epilogue.rows_on.shape[0] < rows or epilogue.rank.numel() != 1:
+        raise ValueError("rows_on holds fewer rows than the kernel reads, or rank is not one")

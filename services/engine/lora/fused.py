@@ -81,7 +81,9 @@ class FusedDecode:
             name: torch.zeros(1, dtype=torch.int32, device=device) for name in slots.shapes
         }  # the active adapter's rank per projection
         self.rows_on = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self._staging = [torch.empty(max_rows, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._staging = [torch.empty(max_rows, dtype=torch.int32) for _ in range(2)]
+        if device.type == "cuda":  # copied without waiting for the step in flight
+            self._staging = [buffer.pin_memory() for buffer in self._staging]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.active: tuple[int, int] | None = None  # (slot, its generation) whose factors are in
@@ -114,7 +116,8 @@ class FusedDecode:
         for name, tails in self._a_tails.items():
             if len(tails) != slots.num_layers:
                 raise ValueError(f"{name}: {len(tails)} layers bound, model {slots.num_layers}")
-        torch.cuda.empty_cache()  # the replaced weights' blocks go back to the device
+        if slots.device.type == "cuda":
+            torch.cuda.empty_cache()  # the replaced weights' blocks go back to the device
 
     # ---- per step ---------------------------------------------------------------------------
     def supports(self, batch: LoRABatch) -> bool:
@@ -133,9 +136,10 @@ class FusedDecode:
         for start, length in zip(batch.starts, batch.lengths, strict=True):
             staging[start : start + length].fill_(1)
         self.rows_on[:rows].copy_(staging[:rows], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._copied[self._turn] = event
+        if staging.is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._turn] = event
         self._turn ^= 1
 
     def activate(self, slot: int) -> None:
@@ -180,7 +184,7 @@ class FusedDecode:
     def take(self, x: torch.Tensor) -> LoRAEpilogue | None:
         """The delta awaiting the projection output `x` starts at (None: none awaits it)."""
         pending = self.pending
-        if pending is None or not x.is_cuda:
+        if pending is None:
             return None
         y, epilogue = pending
         if x.data_ptr() != y.data_ptr() or x.shape[0] != y.shape[0]:

@@ -1,0 +1,161 @@
+"""FusedDecode on a CPU (float32): widened weights, the active adapter's factors, the pending delta.
+
+The kernels that add the delta run in tests/gpu/test_lora_epilogue.py (and in Triton's
+interpreter); here the epilogue a projection leaves is applied with plain torch and must give
+the per-segment torch path's output (services/engine/lora/torch_ops.add_lora): rows of the
+adapter get their delta, base rows none. The factors are copied in again exactly when the step's
+adapter or its slot's contents change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as functional
+from torch import nn
+
+from services.engine.lora.batch import LoRABatch
+from services.engine.lora.projections import PROJECTIONS
+from services.engine.lora.slots import LoRASlots
+from services.engine.lora.torch_ops import add_lora
+from services.engine.lora.weights import AdapterWeights, ProjectionWeights
+from tests.lora_adapters import tiny_model_config
+
+pytest.importorskip("triton", reason="the epilogue's module imports Triton")
+
+from services.engine.lora.fused import FusedDecode, captured, fusable  # noqa: E402
+
+MAX_RANK = 8
+
+
+class _Projection(nn.Module):
+    """A plain projection that runs any weight it is handed (as the fast path's TunedLinear)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None
+
+    def forward_with(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return functional.linear(x, weight)
+
+
+def _adapter(slots: LoRASlots, name: str, rank: int, projections, seed: int) -> AdapterWeights:
+    generator = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(slots.num_layers):
+        layer = {}
+        for projection in projections:
+            shape = slots.shapes[projection]
+            a = torch.randn(shape.num_slices, rank, shape.in_features, generator=generator)
+            b = torch.randn(shape.out_features, rank, generator=generator)
+            layer[projection] = ProjectionWeights(a, b)
+        layers.append(layer)
+    return AdapterWeights(name, "0" * 64, rank, frozenset(), tuple(layers))
+
+
+def _setup():
+    config = tiny_model_config()
+    slots = LoRASlots(config, max_loras=2, max_rank=MAX_RANK, dtype=torch.float32, device="cpu")
+    generator = torch.Generator().manual_seed(7)
+    bases = {
+        (layer, name): _Projection(
+            torch.randn(shape.out_features, shape.in_features, generator=generator)
+        )
+        for layer in range(slots.num_layers)
+        for name, shape in slots.shapes.items()
+    }
+    fused = FusedDecode(slots, max_rows=16)
+    originals = {key: base.weight.detach().clone() for key, base in bases.items()}
+    fused.bind((layer, name, base) for (layer, name), base in bases.items())
+    return slots, fused, bases, originals
+
+
+def _applied(epilogue, y: torch.Tensor, slices: list[tuple[int, int]]) -> torch.Tensor:
+    """y plus the delta `epilogue` describes, in plain torch."""
+    out = y.clone()
+    rank = int(epilogue.rank)
+    for row in range(y.shape[0]):
+        if not int(epilogue.rows_on[row]) or not rank:
+            continue
+        for index, (low, high) in enumerate(slices):
+            start = index * epilogue.slice_width
+            u = epilogue.u[row, start : start + rank]
+            out[row, low:high] += u @ epilogue.bt[:rank, low:high]
+    return out
+
+
+def test_a_projection_leaves_the_adapters_delta_for_the_next_kernel() -> None:
+    slots, fused, bases, originals = _setup()
+    for key, base in bases.items():  # the model's weight: the same values, a view of the wider one
+        assert torch.equal(base.weight, originals[key])
+        assert fusable(base, *originals[key].shape, torch.float32)
+    assert fused.nbytes > 0
+    slots.write(0, _adapter(slots, "all", 5, PROJECTIONS, seed=1))
+    slots.write(1, _adapter(slots, "qkv-down", 8, ("qkv_proj", "down_proj"), seed=2))
+    generator = torch.Generator().manual_seed(3)
+    for row_slots in ([0, -1, 0, 0, -1], [-1, 1, 1, -1, -1, 1, 1]):
+        batch = LoRABatch.from_row_slots(row_slots)
+        assert fused.supports(batch)
+        fused.prepare(batch, rows=8)
+        assert fused.rows_on[:8].tolist() == [int(s >= 0) for s in row_slots] + [0] * (
+            8 - len(row_slots)
+        )
+        rows = len(row_slots)
+        for (layer, name), base in bases.items():
+            shape = slots.shapes[name]
+            x = torch.randn(rows, shape.in_features, generator=generator)
+            y = fused.project(layer, name, x, base)
+            assert torch.allclose(y, x @ originals[layer, name].t(), atol=1e-5)
+            with pytest.raises(RuntimeError, match="unapplied"):
+                fused.project(layer, name, x, base)  # the last delta still awaits its kernel
+            assert fused.take(x) is None  # not the projection output
+            epilogue = fused.take(y[:, : shape.slice_sizes[0]])  # a column view of it (q)
+            assert epilogue is not None and fused.take(y) is None  # taken once
+            offsets = shape.slice_offsets
+            slices = list(zip(offsets[:-1], offsets[1:], strict=True))
+            want = y.clone()
+            add_lora(
+                want, x, batch, slots.a[layer][name], slots.b[layer][name],
+                offsets, slots.ranks[name],
+            )  # fmt: skip
+            torch.testing.assert_close(_applied(epilogue, y, slices), want, rtol=1e-4, atol=1e-4)
+
+
+def test_factors_are_copied_in_when_the_adapter_or_its_slot_changes() -> None:
+    slots, fused, _, _ = _setup()
+    slots.write(0, _adapter(slots, "a", 4, PROJECTIONS, seed=1))
+    slots.write(1, _adapter(slots, "b", 6, PROJECTIONS, seed=2))
+    fused.activate(0)
+    fused.activate(0)
+    assert fused.activations == 1
+    fused.activate(1)
+    assert fused.activations == 2
+    slots.write(1, _adapter(slots, "c", 3, ("o_proj",), seed=3))  # new contents, same slot
+    fused.activate(1)
+    assert fused.activations == 3
+    name = "o_proj"
+    shape = slots.shapes[name]
+    wide = fused._weights[0, name]
+    assert torch.equal(wide[shape.out_features :], slots.a_stacks[name][0, 1].reshape(MAX_RANK, -1))
+    assert torch.equal(fused._bt[name][0], slots.b_stacks[name][0, 1].t())
+    assert int(fused._ranks[name]) == 3 and int(fused._ranks["qkv_proj"]) == 0
+
+
+def test_a_capture_fails_when_a_delta_is_left_unapplied() -> None:
+    slots, fused, bases, _ = _setup()
+    base = bases[0, "o_proj"]
+    x = torch.zeros(2, slots.shapes["o_proj"].in_features)
+
+    def leaves_one() -> None:
+        assert fused.capturing
+        fused.project(0, "o_proj", x, base)
+
+    with pytest.raises(RuntimeError, match="end of a step"):
+        captured(fused, leaves_one)
+    assert not fused.capturing and fused.pending is None
+
+    def takes_it() -> None:
+        assert fused.take(fused.project(0, "o_proj", x, base)) is not None
+
+    captured(fused, takes_it)

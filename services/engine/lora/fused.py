@@ -25,7 +25,6 @@ took fails the capture (the runner then keeps the other graphs).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -35,8 +34,6 @@ from torch import nn
 from services.engine.kernels.triton.lora_epilogue import LoRAEpilogue
 from services.engine.lora.batch import LoRABatch
 from services.engine.lora.slots import LoRASlots
-
-logger = logging.getLogger(__name__)
 
 
 class WideningProjection(Protocol):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from services.engine.lora.weights import AdapterWeights, ProjectionWeights
 from services.engine.models.config import ModelConfig
 from tests.unit.engine.models.helpers import TINY_COMMON
 
@@ -146,3 +147,25 @@ def peft_config(modules: list[str], rank: int, **extra: Any) -> dict[str, Any]:
         "bias": "none",
         **extra,
     }
+
+
+def random_weights(
+    slots: Any, name: str, rank: int, projections: Any, seed: int, *, scaled: bool = False
+) -> AdapterWeights:
+    """Random factors of `rank` for `projections` of every layer of `slots` (LoRASlots), as a
+    loaded adapter holds them (the checksum a placeholder). scaled: A / sqrt(in features) and
+    B / sqrt(rank), in the slots' dtype (outputs of order one in bf16 kernels)."""
+    generator = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(slots.num_layers):
+        layer = {}
+        for projection in projections:
+            shape = slots.shapes[projection]
+            a = torch.randn(shape.num_slices, rank, shape.in_features, generator=generator)
+            b = torch.randn(shape.out_features, rank, generator=generator)
+            if scaled:
+                a = (a / shape.in_features**0.5).to(slots.dtype)
+                b = (b / rank**0.5).to(slots.dtype)
+            layer[projection] = ProjectionWeights(a, b)
+        layers.append(layer)
+    return AdapterWeights(name, "0" * 64, rank, frozenset(), tuple(layers))

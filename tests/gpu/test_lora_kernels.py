@@ -16,8 +16,8 @@ from services.engine.lora.batch import LoRABatch
 from services.engine.lora.projections import PROJECTIONS
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
-from services.engine.lora.weights import AdapterWeights, ProjectionWeights, stack_layers
-from tests.lora_adapters import tiny_model_config
+from services.engine.lora.weights import stack_layers
+from tests.lora_adapters import random_weights, tiny_model_config
 
 DEVICE = "cuda"
 MAX_ROWS = 512
@@ -33,22 +33,6 @@ SHAPES = {
 }
 
 
-def _adapter(slots: LoRASlots, name: str, rank: int, projections, seed: int) -> AdapterWeights:
-    generator = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(slots.num_layers):
-        layer = {}
-        for projection in projections:
-            shape = slots.shapes[projection]
-            a = torch.randn(shape.num_slices, rank, shape.in_features, generator=generator)
-            b = torch.randn(shape.out_features, rank, generator=generator)
-            layer[projection] = ProjectionWeights(
-                (a / shape.in_features**0.5).to(slots.dtype), (b / rank**0.5).to(slots.dtype)
-            )
-        layers.append(layer)
-    return AdapterWeights(name, "0" * 64, rank, frozenset(), tuple(layers))
-
-
 def _filled_slots(config, max_loras: int, max_rank: int, dtype, device) -> list[LoRASlots]:
     """The same adapters in slots of `dtype` and (the reference) of float32."""
     pair = [
@@ -58,7 +42,7 @@ def _filled_slots(config, max_loras: int, max_rank: int, dtype, device) -> list[
     for slot in range(max_loras):
         rank = [max_rank, 1, max_rank // 2, 3][slot % 4]
         projections = PROJECTIONS if slot % 3 != 1 else ("qkv_proj", "down_proj")
-        adapter = _adapter(pair[0], f"a{slot}", rank, projections, seed=slot)
+        adapter = random_weights(pair[0], f"a{slot}", rank, projections, seed=slot, scaled=True)
         for slots in pair:
             slots.write(slot, adapter)
     return pair
@@ -293,8 +277,8 @@ def test_an_asynchronous_slot_write_lands_what_an_ordered_one_writes() -> None:
         LoRASlots(config, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=DEVICE)
         for _ in range(2)
     )
-    big = _adapter(ordered, "big", 16, PROJECTIONS, seed=1)
-    small = _adapter(ordered, "small", 4, ("qkv_proj", "o_proj"), seed=2)
+    big = random_weights(ordered, "big", 16, PROJECTIONS, seed=1, scaled=True)
+    small = random_weights(ordered, "small", 4, ("qkv_proj", "o_proj"), seed=2, scaled=True)
     ordered.write(1, big)
     side.write(1, stack_layers(big, pin=True), asynchronous=True).wait()
     ordered.write(1, small)
@@ -323,7 +307,8 @@ def test_a_slot_write_waits_for_the_last_step_reading_that_slot_only() -> None:
     config = tiny_model_config(**SHAPES["wide"])
     slots = LoRASlots(config, max_loras=2, max_rank=16, dtype=torch.bfloat16, device=DEVICE)
     runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
-    adapter = stack_layers(_adapter(slots, "a", 16, PROJECTIONS, seed=1), pin=True)
+    weights = random_weights(slots, "a", 16, PROJECTIONS, seed=1, scaled=True)
+    adapter = stack_layers(weights, pin=True)
     runtime.set_batch(LoRABatch.from_row_slots([1] * 4))  # a step reading slot 1
     runtime.set_batch(LoRABatch.from_row_slots([0] * 4))  # the next reads slot 0 only...
     torch.cuda._sleep(1_000_000_000)  # ...and runs long (about half a second)

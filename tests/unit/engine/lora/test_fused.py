@@ -18,8 +18,7 @@ from services.engine.lora.batch import LoRABatch
 from services.engine.lora.projections import PROJECTIONS
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.torch_ops import add_lora
-from services.engine.lora.weights import AdapterWeights, ProjectionWeights
-from tests.lora_adapters import tiny_model_config
+from tests.lora_adapters import random_weights, tiny_model_config
 
 pytest.importorskip("triton", reason="the epilogue's module imports Triton")
 
@@ -38,20 +37,6 @@ class _Projection(nn.Module):
 
     def forward_with(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return functional.linear(x, weight)
-
-
-def _adapter(slots: LoRASlots, name: str, rank: int, projections, seed: int) -> AdapterWeights:
-    generator = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(slots.num_layers):
-        layer = {}
-        for projection in projections:
-            shape = slots.shapes[projection]
-            a = torch.randn(shape.num_slices, rank, shape.in_features, generator=generator)
-            b = torch.randn(shape.out_features, rank, generator=generator)
-            layer[projection] = ProjectionWeights(a, b)
-        layers.append(layer)
-    return AdapterWeights(name, "0" * 64, rank, frozenset(), tuple(layers))
 
 
 def _setup():
@@ -91,8 +76,8 @@ def test_a_projection_leaves_the_adapters_delta_for_the_next_kernel() -> None:
         assert torch.equal(base.weight, originals[key])
         assert fusable(base, *originals[key].shape, torch.float32)
     assert fused.nbytes > 0
-    slots.write(0, _adapter(slots, "all", 5, PROJECTIONS, seed=1))
-    slots.write(1, _adapter(slots, "qkv-down", 8, ("qkv_proj", "down_proj"), seed=2))
+    slots.write(0, random_weights(slots, "all", 5, PROJECTIONS, seed=1))
+    slots.write(1, random_weights(slots, "qkv-down", 8, ("qkv_proj", "down_proj"), seed=2))
     generator = torch.Generator().manual_seed(3)
     for row_slots in ([0, -1, 0, 0, -1], [-1, 1, 1, -1, -1, 1, 1]):
         batch = LoRABatch.from_row_slots(row_slots)
@@ -124,14 +109,14 @@ def test_a_projection_leaves_the_adapters_delta_for_the_next_kernel() -> None:
 
 def test_factors_are_copied_in_when_the_adapter_or_its_slot_changes() -> None:
     slots, fused, _, _ = _setup()
-    slots.write(0, _adapter(slots, "a", 4, PROJECTIONS, seed=1))
-    slots.write(1, _adapter(slots, "b", 6, PROJECTIONS, seed=2))
+    slots.write(0, random_weights(slots, "a", 4, PROJECTIONS, seed=1))
+    slots.write(1, random_weights(slots, "b", 6, PROJECTIONS, seed=2))
     fused.activate(0)
     fused.activate(0)
     assert fused.activations == 1
     fused.activate(1)
     assert fused.activations == 2
-    slots.write(1, _adapter(slots, "c", 3, ("o_proj",), seed=3))  # new contents, same slot
+    slots.write(1, random_weights(slots, "c", 3, ("o_proj",), seed=3))  # new contents, same slot
     fused.activate(1)
     assert fused.activations == 3
     name = "o_proj"

@@ -11,26 +11,10 @@ from services.engine.lora.projections import PROJECTIONS
 from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots
 from services.engine.lora.torch_ops import add_lora, add_lora_grouped, write_lora
-from services.engine.lora.weights import AdapterWeights, ProjectionWeights, stack_layers
-from tests.lora_adapters import tiny_model_config
+from services.engine.lora.weights import AdapterWeights, stack_layers
+from tests.lora_adapters import random_weights, tiny_model_config
 
 CONFIG = tiny_model_config()
-
-
-def random_weights(
-    name: str, rank: int, projections: tuple[str, ...], seed: int, slots: LoRASlots
-) -> AdapterWeights:
-    generator = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(CONFIG.num_layers):
-        layer = {}
-        for projection in projections:
-            shape = slots.shapes[projection]
-            a = torch.randn(shape.num_slices, rank, shape.in_features, generator=generator)
-            b = torch.randn(shape.out_features, rank, generator=generator)
-            layer[projection] = ProjectionWeights(a, b)
-        layers.append(layer)
-    return AdapterWeights(name, "0" * 64, rank, frozenset(), tuple(layers))
 
 
 def per_row_reference(
@@ -69,9 +53,9 @@ def runtime_for(native: bool, row_slots: list[int]) -> LoRARuntime:
 @pytest.mark.parametrize("projection", PROJECTIONS)
 def test_mixed_segments_match_the_per_row_loop(projection: str, path: str) -> None:
     weights = {
-        0: random_weights("r8-all", 8, PROJECTIONS, 1, SLOTS),
-        1: random_weights("r2-attn", 2, ("qkv_proj", "o_proj"), 2, SLOTS),
-        2: random_weights("r5-mlp", 5, ("gate_up_proj", "down_proj"), 3, SLOTS),
+        0: random_weights(SLOTS, "r8-all", 8, PROJECTIONS, 1),
+        1: random_weights(SLOTS, "r2-attn", 2, ("qkv_proj", "o_proj"), 2),
+        2: random_weights(SLOTS, "r5-mlp", 5, ("gate_up_proj", "down_proj"), 3),
     }
     for slot, adapter in weights.items():
         SLOTS.write(slot, adapter)
@@ -117,8 +101,8 @@ def test_mixed_segments_match_the_per_row_loop(projection: str, path: str) -> No
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
 def test_rewriting_a_slot_leaves_nothing_of_the_previous_adapter(stacked: bool) -> None:
     slots = LoRASlots(CONFIG, max_loras=1, max_rank=8, dtype=torch.float32, device="cpu")
-    everything = random_weights("everything", 8, PROJECTIONS, 1, slots)
-    small = random_weights("small", 2, ("o_proj",), 2, slots)
+    everything = random_weights(slots, "everything", 8, PROJECTIONS, 1)
+    small = random_weights(slots, "small", 2, ("o_proj",), 2)
     if stacked:  # the engine's host cache on a GPU: one copy per projection and factor
         everything, small = (stack_layers(w, pin=False) for w in (everything, small))
         assert small.stacked is not None and set(small.stacked) == {"o_proj"}
@@ -141,7 +125,7 @@ def test_rewriting_a_slot_leaves_nothing_of_the_previous_adapter(stacked: bool) 
         assert torch.equal(slots.bt[layer]["o_proj"][0, :2], small.layers[layer]["o_proj"].b.t())
         assert torch.equal(slots.bt[layer]["o_proj"], slots.b[layer]["o_proj"].transpose(1, 2))
     with pytest.raises(ValueError, match="over the slot rank"):
-        slots.write(0, random_weights("big", 9, ("o_proj",), 3, slots))
+        slots.write(0, random_weights(slots, "big", 9, ("o_proj",), 3))
     with pytest.raises(IndexError):
         slots.write(1, small)
 
@@ -156,7 +140,7 @@ def test_rewriting_a_slot_leaves_nothing_of_the_previous_adapter(stacked: bool) 
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 def test_the_runtime_gives_the_same_result_either_way(row_slots: list[int], native: bool) -> None:
     weights = {
-        slot: random_weights(f"a{slot}", rank, PROJECTIONS, slot, SLOTS)
+        slot: random_weights(SLOTS, f"a{slot}", rank, PROJECTIONS, slot)
         for slot, rank in ((0, 3), (1, 8), (2, 5))
     }
     for slot, adapter in weights.items():
@@ -178,7 +162,7 @@ def test_a_bfloat16_model_with_float32_slots_rounds_only_at_the_end(
     row_slots: list[int], native: bool
 ) -> None:
     weights = {
-        slot: random_weights(f"a{slot}", rank, PROJECTIONS, slot, SLOTS)
+        slot: random_weights(SLOTS, f"a{slot}", rank, PROJECTIONS, slot)
         for slot, rank in ((0, 3), (1, 8), (2, 5))
     }
     for slot, adapter in weights.items():

@@ -11,7 +11,8 @@ projection output next. This times, in the same process, at `--rows` rows of
   epilogue (rank `--rank`, every row the adapter's).
 
 Each figure: `--reps` launches captured in one CUDA graph, the median over `--iterations`
-replays, per launch in microseconds. Prints one JSON report (`--out` too).
+replays, per launch in microseconds (tp_sum_norm_bench.time_path). Prints one JSON report
+(`--out` too).
 
     python -m benchmarks.lora_epilogue_bench --out lora-epilogue.json
 """
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as functional
 
+from benchmarks.tp_sum_norm_bench import time_path
+
 # (in features, out features, slices) of the four fused projections of Llama-3-8B
 SHAPES = {
     "qkv": (4096, 6144, 3),
@@ -39,30 +42,8 @@ SHAPES = {
 
 
 def graph_us(fn: Callable[[], Any], reps: int, iterations: int) -> float:
-    """Median microseconds per call of `fn` over replays of a graph of `reps` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps * 1000.0)
-    times.sort()
-    return round(times[len(times) // 2], 2)
+    """Median microseconds per call of `fn` over replays of a CUDA graph of `reps` calls."""
+    return time_path(lambda turn: fn(), "cuda", calls=reps, replays=iterations)[0]
 
 
 def measure(rows: int, rank: int, reps: int, iterations: int) -> dict[str, Any]:

@@ -152,8 +152,9 @@ def run_case(rank: int, hidden: int, rows: int, one_shot, fused, device) -> dict
     return case
 
 
-def time_path(call, device) -> tuple[float, Any]:
-    """Median microseconds per call over graph replays of CALLS calls, and the last result."""
+def time_path(call, device, calls: int = CALLS, replays: int = REPLAYS) -> tuple[float, Any]:
+    """Median microseconds per call over `replays` replays of a CUDA graph of `calls` calls
+    (`call(turn)`, turns 0 and 1 alternating), and the last call's result."""
     import torch
 
     stream = torch.cuda.Stream(device)
@@ -164,18 +165,18 @@ def time_path(call, device) -> tuple[float, Any]:
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for index in range(CALLS):
+        for index in range(calls):
             result = call(index % 2)
     graph.replay()
     torch.cuda.synchronize(device)
     times = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return round(statistics.median(times), 2), result
 
 

@@ -15,7 +15,14 @@ What step N+1 may be depends on the runner. One that takes pending tokens in any
 plan (`hold_back_ahead`): admissions, LoRA slot turns (pauses and resumes) and chunked
 prefills as the plain path would schedule them, the sequences sure to stop at step N on length
 left out, and no preemption of a sequence whose token is pending (the scheduler's `hold`
-mode); the free blocks must cover every running sequence's next token. Otherwise
+mode); the free blocks must cover every running sequence's next token. One such plan waits:
+while step N ends prompts (the ids it samples are their first tokens) and the next plan would
+take prompt rows (a request it could admit, a chunked prefill going on), step N is read first.
+A step with prompt rows is launched kernel by kernel (no graph), which takes the host ~20-30 ms
+for an 8B model whatever its token count, and the ids of step N are read only after that launch
+returns: a first token would wait for the next request's prefill to be launched (on an H100, a
+request arriving ~30 ms after another got its first token ~40 ms late). Read first, the next
+step starts ~1 ms later instead. Otherwise
 (`can_schedule_ahead`) step N+1 is the same running set, one token each, and only when that
 cannot change what the plain path would do: every running sequence was sampled at step N,
 none is certain to stop there on length, all sample plain argmax, no waiting request could be
@@ -61,6 +68,7 @@ SAMPLING_QUEUED = "sampling queued"
 KV_BLOCKS_SHORT = "KV blocks short"
 ALL_STOP = "all stop"
 EMPTY_PLAN = "empty plan"
+FIRST_TOKENS = "first tokens due"  # step N ends prompts and the next takes prompt rows
 RUNNING_SET_MAY_CHANGE = "running set may change"  # a runner without mixed launches
 
 
@@ -148,17 +156,21 @@ def hold_back_ahead(
     new_blocks = 0
     num_new_blocks = block_manager.num_new_blocks
     slots_per_block = block_manager.block_size
+    first_tokens = prompt_left = False
     for seq in running:
         if seq.status is not SequenceStatus.RUNNING:
             return NOT_RUNNING
         if id(seq) in sampled:
             if seq.num_pending_tokens != 1 or seq.num_uncomputed_tokens != 1:
                 return PENDING_ELSEWHERE
+            first_tokens = first_tokens or seq.num_output_tokens == 1  # its pending one
             if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
                 hold.add(seq.seq_id)  # it stops at `launched`: nothing to plan for it
                 continue
         elif seq.num_pending_tokens:
             return PENDING_ELSEWHERE
+        else:
+            prompt_left = prompt_left or seq.num_uncomputed_tokens > 1  # a chunked prefill
         if not plain_greedy(seq):
             return SAMPLING_RUNNING
         if seq.num_computed_tokens >= len(seq.block_table) * slots_per_block:
@@ -167,6 +179,10 @@ def hold_back_ahead(
         return KV_BLOCKS_SHORT  # a decode would need a preemption: the plain path decides
     if len(hold) == len(running):
         return ALL_STOP
+    if first_tokens and (
+        prompt_left or (scheduler.waiting and len(running) < scheduler.config.max_num_seqs)
+    ):
+        return FIRST_TOKENS  # read the first tokens before a launch with prompt rows
     if queued_greedy:
         return hold
     # A request the plan could admit or resume must sample plain argmax too (else the plain

@@ -200,3 +200,69 @@ def test_skinny_matmul_matches_reference(rows: int, n: int, k: int) -> None:
         out = torch.full((rows, n), float("nan"), device=DEVICE, dtype=DTYPE)
         out.copy_(skinny_matmul(x, weight, config))
         assert _relative_error(out, expected) < 1e-2, config
+
+
+def test_base_kernels_launched_directly_give_the_jit_paths_bits(monkeypatch) -> None:
+    """Eager steps launch the norm, SwiGLU, rotary + KV store and both attention kernels
+    without Triton's dispatch after their first launch (kernels/triton/launch.py): each
+    later launch must write exactly what the JIT path writes."""
+    from services.engine.kernels.triton import (
+        decode_attention,
+        launch,
+        prefill_attention,
+        rms_norm,
+        rotary_kv_store,
+        swiglu,
+    )
+
+    launchers = (
+        rms_norm._launch_rms_norm,
+        swiglu._launch_swiglu,
+        rotary_kv_store._launch_rotary,
+        decode_attention._launch_decode_split,
+        decode_attention._launch_decode_merge,
+        prefill_attention._launch_prefill,
+    )
+    generator = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, tokens = 32, 8, 128, 19
+    x = torch.randn(tokens, 4096, generator=generator).to(DTYPE).to(DEVICE)
+    residual = torch.randn(tokens, 4096, generator=generator).to(DTYPE).to(DEVICE)
+    weight = torch.randn(4096, generator=generator).to(DTYPE).to(DEVICE)
+    gate_up = torch.randn(tokens, 2 * 14336, generator=generator).to(DTYPE).to(DEVICE)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    qkv = qkv.to(DTYPE).to(DEVICE)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    positions = torch.arange(tokens, device=DEVICE) * 7
+    cos, sin = reference.rotary_cos_sin(head_dim, 4096, 500000.0, DEVICE)
+    query, key_cache, value_cache, tables, starts, lens = paged_setup(
+        [300, 7, 1000], [44, 7, 1000], heads, kv_heads, head_dim, 16, generator
+    )
+    decode_query = query[:3].contiguous()
+
+    def run() -> list[torch.Tensor]:
+        caches = (key_cache.clone(), value_cache.clone())
+        slots = torch.arange(tokens, device=DEVICE) * 3
+        return [
+            *rms_norm.rms_norm(x, residual, weight, 1e-5),
+            swiglu.swiglu(gate_up),
+            rotary_kv_store.rotary_kv_store(q, k, v, positions, cos, sin, slots, *caches),
+            *caches,
+            decode_attention.paged_decode_attention(
+                decode_query, key_cache, value_cache, tables, lens, 0.088, num_splits=7
+            ),
+            prefill_attention.paged_prefill_attention(
+                query, key_cache, value_cache, tables, starts, lens, 1000, 0.088
+            ),
+        ]
+
+    results = []
+    for direct in (False, True):
+        monkeypatch.setattr(launch, "DIRECT_LAUNCH", direct)
+        before = [launcher.direct_launches for launcher in launchers]
+        results += [run(), run()]  # the second run of each specialization is direct
+        after = [launcher.direct_launches for launcher in launchers]
+        assert all((b > a) == direct for a, b in zip(before, after, strict=True))
+    torch.cuda.synchronize()
+    for outputs in results[1:]:
+        for out, first in zip(outputs, results[0], strict=True):
+            assert torch.equal(out, first)

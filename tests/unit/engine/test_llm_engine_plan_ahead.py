@@ -118,3 +118,30 @@ def test_a_plain_plan_that_only_resumes_is_planned_again_not_an_empty_step() -> 
     assert [seq.request_id for seq in engine.scheduler.paused] == ["a"]
     assert output.num_batched_tokens == 1  # "b" ran in it
     assert [delta.request_id for delta in output.deltas] == ["b"]
+
+
+def test_first_tokens_are_read_before_a_step_with_prompt_rows_is_planned() -> None:
+    """A request arriving while another decodes has its prefill planned beside the decode in
+    flight; a step that ends a prompt is read before a plan that would launch another prompt's
+    rows (on a GPU that launch would hold the first token back for its whole length)."""
+    engine, _ = make_engine(mixed=True, num_blocks=100, block_size=4, max_num_seqs=4)
+    outputs: dict = {}
+    reasons: dict = {}
+    prompts = {**PROMPTS, "c": [50, 51, 52]}
+    engine.add_request("a", prompts["a"], GREEDY)
+    for _ in range(3):
+        step(engine, outputs, reasons)
+    engine.add_request("b", prompts["b"], GREEDY)
+    ahead = engine.num_overlapped_steps
+    step(engine, outputs, reasons)  # b's prefill planned ahead beside a's decode in flight
+    assert engine.num_overlapped_steps == ahead + 1 and "b" not in outputs
+    engine.add_request("c", prompts["c"], GREEDY)
+    step(engine, outputs, reasons)
+    assert len(outputs["b"]) == 1  # b's first token, read before c's prefill was planned
+    assert engine._launched is None and engine._not_ahead == overlap.FIRST_TOKENS
+    step(engine, outputs, reasons)  # c's prefill with a's and b's decodes, the plain way
+    assert engine.plain_step_reasons[overlap.FIRST_TOKENS] == 1
+    drain(engine, outputs, reasons)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference_generate(prompt, 12, VOCAB)
+    assert engine.block_manager.num_free_blocks == 100

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from services.common.errors import InvalidArgumentError
-from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
 from services.engine.kernels.triton.paged_kv import attention_output, load_kv_tile
 
 _LOG2E = 1.4426950408889634
@@ -183,6 +183,10 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132) ->
     return int(min(32, max(1, triton.next_power_of_2(wanted))))
 
 
+_launch_decode_split = CachedLaunch(_decode_split_kernel)
+_launch_decode_merge = CachedLaunch(_decode_merge_kernel)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -224,7 +228,8 @@ def paged_decode_attention(
     partial_lse = torch.empty(
         partial_shape if mode != 1 else (1,), dtype=torch.float32, device=query.device
     )
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _launch_decode_split(
+        (batch, num_kv_heads, num_splits),
         query,
         key_cache,
         value_cache,
@@ -252,7 +257,8 @@ def paged_decode_attention(
         **pdl_options(out.device),
     )
     if mode == 0:
-        _decode_merge_kernel[(batch * num_heads,)](
+        _launch_decode_merge(
+            (batch * num_heads,),
             partial_out,
             partial_lse,
             out,

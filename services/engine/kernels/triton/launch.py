@@ -1,8 +1,10 @@
 """CachedLaunch: a Triton kernel launched without its JIT dispatch after the first time.
 
-Outside CUDA graphs (prefill and mixed steps) the LoRA kernels launch hundreds of times a step,
-and Triton's own launch path (bind the arguments, specialize each one, build the cache key,
-look the kernel up) costs more host time than the kernels take on the GPU. `CachedLaunch`
+Outside CUDA graphs (prefill and mixed steps) every kernel is launched from Python: the norms,
+rotary + KV store, attention and SwiGLU once or twice a layer, the LoRA kernels hundreds of
+times a step. Triton's own launch path (bind the arguments, specialize each one, build the
+cache key, look the kernel up) costs more host time than a small kernel takes on the GPU, and
+a step with prompt rows is then bound by its launches. `CachedLaunch`
 goes through `kernel[grid](...)` once per specialization and keeps the compiled kernel; later
 launches with the same specialization call its launcher directly.
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
 from services.engine.kernels.triton.paged_kv import attention_output, load_kv_tile
 
 _LOG2E = 1.4426950408889634
@@ -104,6 +104,9 @@ def _prefill_kernel(
     )
 
 
+_launch_prefill = CachedLaunch(_prefill_kernel)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -130,7 +133,8 @@ def paged_prefill_attention(
     query = query.contiguous()
     block_m = 64 if max_query_len > 16 else 16
     grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
-    _prefill_kernel[grid](
+    _launch_prefill(
+        grid,
         query,
         key_cache,
         value_cache,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
 from services.engine.kernels.triton.lora_epilogue import (
     LoRAEpilogue,
     check,
@@ -75,6 +75,11 @@ def store_normed(out_ptr, weight_ptr, values, offsets, mask, hidden_size, eps):
     tl.store(out_ptr + offsets, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Launched without Triton's JIT dispatch after the first time (launch.py): eager steps
+# launch these once or twice a layer.
+_launch_rms_norm = CachedLaunch(_rms_norm_kernel)
+
+
 def norm_warps(block: int) -> int:
     """Warps of a one-row-a-program norm kernel over `block` lanes: 256 lanes a warp, 1 to 16."""
     return min(16, max(1, block // 256))
@@ -107,7 +112,8 @@ def rms_norm(
         check(lora, rows, hidden_size, 1)
     lora_args, lora_options = epilogue_args(x, lora)
     block = triton.next_power_of_2(hidden_size)
-    _rms_norm_kernel[(rows,)](
+    _launch_rms_norm(
+        (rows,),
         x,
         residual if residual is not None else x,
         weight,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
 from services.engine.kernels.triton.lora_epilogue import (
     LoRAEpilogue,
     block_options,
@@ -207,6 +207,10 @@ def _rotary_kv_store_lora_kernel(
             tl.store(value_cache_ptr + offsets + half, x2.to(element), mask=store_mask)
 
 
+_launch_rotary_lora = CachedLaunch(_rotary_kv_store_lora_kernel)
+_launch_rotary = CachedLaunch(_rotary_kv_store_kernel)
+
+
 def rotary_kv_store(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -242,7 +246,7 @@ def rotary_kv_store(
         if head_dim >= 32 and _one_qkv_tensor(query2d, key2d, value2d):
             block_t = 16
             grid = (triton.cdiv(tokens, block_t), num_heads + 2 * num_kv_heads)
-            _rotary_kv_store_lora_kernel[grid](
+            _launch_rotary_lora(grid,
                 query2d, query2d.stride(0), tokens, positions, cos, sin, slot_mapping, q_out,
                 key_cache, value_cache, num_heads, num_kv_heads, *lora.kernel_args(),
                 **block_options(lora), HEAD_DIM=head_dim, BLOCK_T=block_t, ROTATE=rotate,
@@ -250,7 +254,8 @@ def rotary_kv_store(
             )  # fmt: skip
             return q_out
     lora_args, lora_options = epilogue_args(query2d, lora)
-    _rotary_kv_store_kernel[(tokens,)](
+    _launch_rotary(
+        (tokens,),
         query2d,
         key2d,
         value2d,

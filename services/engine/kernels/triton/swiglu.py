@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels.triton.launch import pdl_options, pdl_prologue
+from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
 from services.engine.kernels.triton.lora_epilogue import (
     LoRAEpilogue,
     block_options,
@@ -86,6 +86,10 @@ def _swiglu_lora_kernel(
     tl.store(out, activated.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_swiglu_lora = CachedLaunch(_swiglu_lora_kernel)
+_launch_swiglu = CachedLaunch(_swiglu_kernel)
+
+
 def swiglu(gate_up: torch.Tensor, lora: LoRAEpilogue | None = None) -> torch.Tensor:
     """silu(gate_up[:, :I]) * gate_up[:, I:] for gate_up [T, 2 * I]; returns [T, I]. With
     `lora`, gate_up + each row's LoRA delta stands for gate_up."""
@@ -101,14 +105,14 @@ def swiglu(gate_up: torch.Tensor, lora: LoRAEpilogue | None = None) -> torch.Ten
         check(lora, rows, width, 2)
         block_m, block = 16, 128
         grid = (triton.cdiv(rows, block_m), triton.cdiv(intermediate_size, block))
-        _swiglu_lora_kernel[grid](
+        _launch_swiglu_lora(grid,
             gate_up, out, intermediate_size, gate_up.stride(0), rows, *lora.kernel_args(),
             **block_options(lora), BLOCK_M=block_m, BLOCK=block, num_warps=4, **pdl,
         )  # fmt: skip
         return out
     block = 1024
     grid = (rows, triton.cdiv(intermediate_size, block))
-    _swiglu_kernel[grid](
-        gate_up, out, intermediate_size, gate_up.stride(0), BLOCK=block, num_warps=4, **pdl
+    _launch_swiglu(
+        grid, gate_up, out, intermediate_size, gate_up.stride(0), BLOCK=block, num_warps=4, **pdl
     )
     return out

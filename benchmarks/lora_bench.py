@@ -234,7 +234,11 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     lora_config = LoRAConfig(
-        max_loras=64, max_cpu_loras=64, max_lora_rank=RANK, adapter_root="/nonexistent"
+        max_loras=64,
+        max_cpu_loras=64,
+        max_lora_rank=RANK,
+        adapter_root="/nonexistent",
+        fused_decode=True,  # the one-adapter step both ways (its graphs, the LoRA kernels')
     )
     adapters = EngineAdapters(
         lora_config, config, dtype=runner.dtype, device=device, kernels="triton", max_rows=8192

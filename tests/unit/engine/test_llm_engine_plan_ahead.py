@@ -145,3 +145,27 @@ def test_first_tokens_are_read_before_a_step_with_prompt_rows_is_planned() -> No
     for rid, prompt in prompts.items():
         assert outputs[rid] == reference_generate(prompt, 12, VOCAB)
     assert engine.block_manager.num_free_blocks == 100
+
+
+def test_under_load_a_prefill_is_planned_ahead_even_while_first_tokens_are_due(
+    monkeypatch,
+) -> None:
+    """Above FIRST_TOKENS_MAX_SEQUENCES sequences the next step is planned ahead anyway: its
+    plan costs the host more than a first token gains by waiting for it."""
+    monkeypatch.setattr(overlap, "FIRST_TOKENS_MAX_SEQUENCES", 1)
+    engine, _ = make_engine(mixed=True, num_blocks=100, block_size=4, max_num_seqs=4)
+    outputs: dict = {}
+    reasons: dict = {}
+    engine.add_request("a", PROMPTS["a"], GREEDY)
+    for _ in range(3):
+        step(engine, outputs, reasons)
+    engine.add_request("b", PROMPTS["b"], GREEDY)
+    step(engine, outputs, reasons)  # b's prefill beside a's decode, ahead
+    engine.add_request("c", [50, 51, 52], GREEDY)
+    ahead = engine.num_overlapped_steps
+    step(engine, outputs, reasons)  # b's first token due, c waiting: two running, over the cap
+    assert engine.num_overlapped_steps == ahead + 1 and engine._launched is not None
+    drain(engine, outputs, reasons)
+    assert overlap.FIRST_TOKENS not in engine.plain_step_reasons
+    for rid, prompt in {**PROMPTS, "c": [50, 51, 52]}.items():
+        assert outputs[rid] == reference_generate(prompt, 12, VOCAB)

@@ -79,8 +79,8 @@ def test_the_determinism_flag_reaches_the_kernels() -> None:
 def test_the_fused_decode_flag_reaches_the_lora_config() -> None:
     from services.engine.worker_config import WorkerConfig
 
-    assert LoRAConfig.from_engine_config(EngineConfig()).fused_decode
-    engine = WorkerConfig.from_argv(["--no-lora-fused-decode"]).engine
-    assert not LoRAConfig.from_engine_config(engine).fused_decode
+    assert not LoRAConfig.from_engine_config(EngineConfig()).fused_decode  # opt-in
+    engine = WorkerConfig.from_argv(["--lora-fused-decode"]).engine
+    assert LoRAConfig.from_engine_config(engine).fused_decode
     with pytest.raises(InvalidArgumentError, match="fused_decode"):
         LoRAConfig(fused_decode="yes")

@@ -18,15 +18,15 @@ left out, and no preemption of a sequence whose token is pending (the scheduler'
 mode); the free blocks must cover every running sequence's next token. One such plan waits:
 while step N ends prompts (the ids it samples are their first tokens) and the next plan would
 take prompt rows (a request it could admit, a chunked prefill going on), step N is read first.
-A step with prompt rows is launched kernel by kernel (no graph), which takes the host ~20-30 ms
-for an 8B model whatever its token count, and the ids of step N are read only after that launch
-returns: a first token would wait for the next request's prefill to be launched (on an H100, a
-request arriving ~30 ms after another got its first token ~40 ms late). Read first, the next
-step starts ~1 ms later instead. Only at light load (FIRST_TOKENS_MAX_SEQUENCES running and
-paused): under load nearly every step ends a prompt while requests wait, the plan of a step
-over hundreds of sequences takes the host milliseconds, and reading first would leave the GPU
-idle that long each step (an H100 serving 100 adapters was busy 85-88 % of the time instead
-of 95-99 %, 39-57 % of its steps not planned ahead). Otherwise
+A step with prompt rows is launched kernel by kernel (no graph), and the ids of step N are read
+only after that launch returns, so a first token would wait for the next request's prefill to
+be launched (on an H100, with the kernels launched through Triton's dispatch, ~24 ms: a request
+arriving ~30 ms after another got its first token ~40 ms late). Read first, the next step
+starts ~1 ms later instead. Only at light load (FIRST_TOKENS_MAX_SEQUENCES running, none
+paused for a LoRA slot turn): under load nearly every step ends a prompt while requests wait,
+the plan of a step over hundreds of sequences takes the host milliseconds, and reading first
+would leave the GPU idle that long each step (an H100 serving 100 adapters was busy 85-88 %
+of the time instead of 95-99 %, 39-57 % of its steps not planned ahead). Otherwise
 (`can_schedule_ahead`) step N+1 is the same running set, one token each, and only when that
 cannot change what the plain path would do: every running sequence was sampled at step N,
 none is certain to stop there on length, all sample plain argmax, no waiting request could be
@@ -73,8 +73,8 @@ KV_BLOCKS_SHORT = "KV blocks short"
 ALL_STOP = "all stop"
 EMPTY_PLAN = "empty plan"
 FIRST_TOKENS = "first tokens due"  # step N ends prompts and the next takes prompt rows
-# Up to this many running and paused sequences a step's first tokens are read before a plan with
-# prompt rows; above it the plan goes ahead (see the module docstring).
+# Up to this many running sequences (none paused for a LoRA slot turn) a step's first tokens are
+# read before a plan with prompt rows; above it the plan goes ahead (see the module docstring).
 FIRST_TOKENS_MAX_SEQUENCES = 32
 RUNNING_SET_MAY_CHANGE = "running set may change"  # a runner without mixed launches
 
@@ -188,7 +188,8 @@ def hold_back_ahead(
         return ALL_STOP
     if (
         first_tokens
-        and len(running) + len(scheduler.paused) <= FIRST_TOKENS_MAX_SEQUENCES
+        and len(running) <= FIRST_TOKENS_MAX_SEQUENCES
+        and not scheduler.paused
         and (prompt_left or (scheduler.waiting and len(running) < scheduler.config.max_num_seqs))
     ):
         return FIRST_TOKENS  # read the first tokens before a launch with prompt rows

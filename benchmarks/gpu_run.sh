@@ -68,6 +68,6 @@ if [ "${SKIP_GEMV:-0}" != "1" ]; then
   part gemv "${GEMV_TIMEOUT:-150}" "$PYTHON" -m benchmarks.gpu_bench_gemv --json "$OUT/gemv.json"
 fi
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-  part gpu-tests "${TEST_TIMEOUT:-150}" "$PYTHON" -m pytest tests/gpu -q -p no:cacheprovider \
+  part gpu-tests "${TEST_TIMEOUT:-360}" "$PYTHON" -m pytest tests/gpu -q -p no:cacheprovider \
     --durations=8
 fi

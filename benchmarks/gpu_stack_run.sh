@@ -30,7 +30,7 @@ echo "== gpu_stack: exit $? after $((SECONDS - started)) s"
 grep -v "^ *$" "$OUT/gpu-stack.log" | tail -n 40
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   started=$SECONDS
-  timeout "${TEST_TIMEOUT:-140}" "$PYTHON" -m pytest tests/gpu -q -p no:cacheprovider \
+  timeout "${TEST_TIMEOUT:-360}" "$PYTHON" -m pytest tests/gpu -q -p no:cacheprovider \
     --durations=5 > "$OUT/gpu-tests.log" 2>&1
   echo "== tests/gpu: exit $? after $((SECONDS - started)) s"
   tail -n 25 "$OUT/gpu-tests.log"

@@ -209,7 +209,7 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     runner = CudaModelRunner(
         files, device="cuda", dtype=torch.bfloat16, max_num_seqs=64,
-        kv_cache_bytes=16 << 30, block_size=BLOCK_SIZE,
+        kv_cache_bytes=16 << 30, block_size=BLOCK_SIZE, lora_fold_rank=RANK,
     )  # fmt: skip
     build_s = time.perf_counter() - started
     config = runner.model_config

@@ -158,14 +158,13 @@ class EngineConfig:
         "answers that may change from run to run where two tokens are nearly tied",
     )
     lora_fused_decode: bool = field(
-        False,
+        True,
         help="on a GPU, decode steps whose adapter rows all use one adapter run its LoRA "
         "inside the base kernels (A below each projection's weight, the expand in the norm, "
         "SwiGLU and rotary kernels after it) instead of as kernels of their own (~8 %% off "
-        "such a step of an 8B model, BENCHMARKS.md). Off by default: the widened weights are "
-        "allocated beside the originals, which stay allocated, so the engine holds its "
-        "projection weights twice and an 8B model's default KV cache no longer fits an 80 GB "
-        "GPU; with it on, lower --gpu-memory-utilization by the weights' share",
+        "such a step of an 8B model, BENCHMARKS.md); the weights get that room at load "
+        "(max_lora_rank rows a slice: ~160 MB on an 8B model at rank 64). "
+        "--no-lora-fused-decode runs those steps through the LoRA kernels",
     )
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ from services.engine.config import EngineConfig
 from services.engine.cuda_graph import BASE, DEFAULT_BUCKETS
 from services.engine.forward_batch import ScheduledBatch
 from services.engine.kernels import triton_available
+from services.engine.lora.config import LoRAConfig
 from services.engine.model_runner import (
     BaseModelRunner,
     PendingTokens,
@@ -104,6 +105,7 @@ class CudaModelRunner(BaseModelRunner):
         max_num_seqs: int = 256,
         use_cuda_graphs: bool = True,
         fast_path: bool = True,
+        lora_fold_rank: int = 0,
         **kwargs,
     ) -> None:
         kwargs.setdefault("device", "cuda")
@@ -121,11 +123,27 @@ class CudaModelRunner(BaseModelRunner):
         self.execution_path = ""  # how steps run, in words (EngineInfo, `sluice up`'s log)
         self.graph_steps = 0
         self.eager_steps = 0
+        # Room below each projection weight for one adapter's A of this rank, given at load
+        # (lora/fused.py: the fold of one-adapter decode steps); 0: none.
+        self.lora_fold_rank = lora_fold_rank
+        self._fold_weights: dict[tuple[int, str], torch.Tensor] = {}
         super().__init__(model_files, **kwargs)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, model_files: ModelFiles) -> CudaModelRunner:
-        return cls(model_files, max_num_seqs=config.max_num_seqs, **runner_arguments(config))
+        lora = LoRAConfig.from_engine_config(config)
+        return cls(
+            model_files,
+            max_num_seqs=config.max_num_seqs,
+            lora_fold_rank=lora.max_lora_rank if lora.enabled and lora.fused_decode else 0,
+            **runner_arguments(config),
+        )
+
+    def _prepare_model(self) -> None:
+        if self.lora_fold_rank and self.tensor_parallel is None and self._why_not_fast() is None:
+            from services.engine.lora.fused import widen_for_fold
+
+            self._fold_weights = widen_for_fold(self.model, self.model_config, self.lora_fold_rank)
 
     def _why_not_fast(self) -> str | None:
         if not self._want_fast_path:
@@ -261,7 +279,7 @@ class CudaModelRunner(BaseModelRunner):
                 bases.append((module.layer, module.projection, module.base))
         started = time.perf_counter()
         fused = FusedDecode(slots, self.fast.graphs.max_batch_size)
-        fused.bind(bases)
+        fused.bind(bases, self._fold_weights)
         runtime.fused = fused
         self.fast.bind_epilogues(fused)
         try:

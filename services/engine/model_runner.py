@@ -141,6 +141,7 @@ class BaseModelRunner:
         if tensor_parallel is not None:  # this rank's heads and MLP width
             self.model_config = tensor_parallel.local_config(full_config)
         config = self.model_config
+        self.backend_name = backend
         self._prepare_device(config)
         backend_cls = get_backend(backend)  # fail fast, before loading any weights
         torch.manual_seed(seed)
@@ -153,7 +154,6 @@ class BaseModelRunner:
             seed=seed,
         )
         self._prepare_model()
-        self.backend_name = backend
         self.backend = backend_cls(
             config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5
         )

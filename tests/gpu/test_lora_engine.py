@@ -135,6 +135,11 @@ def test_steps_of_one_adapter_fold_its_lora_into_the_base_kernels(model_dir: Pat
     fused = _llm(model_dir, "cuda")
     plain = _llm(model_dir, "cuda", fused_decode=False)
     assert "lora-one" not in plain.engine.runner.fast.graphs.variants
+    # The room below each weight was given at load and taken as it is: no weight held twice.
+    runner, fold = fused.engine.runner, fused.engine.adapters.runtime.fused
+    assert runner._fold_weights and not plain.engine.runner._fold_weights
+    for key, buffer in runner._fold_weights.items():
+        assert fold._weights[key] is buffer
     scored = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for name in [*ADAPTERS, *reversed(ADAPTERS)]:

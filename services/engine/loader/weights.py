@@ -55,7 +55,9 @@ def build_model(
             raise FailedPreconditionError(
                 f"{weights_dir}: {len(missing)} weights missing from the checkpoint ({sample})"
             )
-    return model.eval()
+    # Inference only: no operation on a weight records autograd history (which would keep a
+    # replaced weight alive, as a copy of it would).
+    return model.eval().requires_grad_(False)
 
 
 def iterate_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:

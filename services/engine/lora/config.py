@@ -32,9 +32,9 @@ class LoRAConfig:
     slot_quantum_ms: float = DEFAULT_SLOT_QUANTUM_MS  # 0: no time-slicing of device slots
     # GPU kernels: K splits summed in a fixed order (False: float atomics, order of finishing)
     deterministic: bool = True
-    # CUDA fast path: decode steps of one adapter fold its LoRA into the base kernels (opt-in:
-    # the widened weights sit beside the originals, see EngineConfig.lora_fused_decode)
-    fused_decode: bool = False
+    # CUDA fast path: decode steps of one adapter fold its LoRA into the base kernels (the
+    # projection weights get room for it at load: lora/fused.py)
+    fused_decode: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):

@@ -9,7 +9,9 @@ kernels the step runs anyway:
 - the shrink into the base matmul: each projection's weight is stored with room for one
   adapter's A below it (`[W; A]`, [out + slices·R, in], R the slots' largest rank), so one
   matmul gives y = x Wᵀ and, in the columns after it, u = x Aᵀ. The model's own weight is a
-  view of the first `out` rows, so every other step computes exactly what it did;
+  view of the first `out` rows, so every other step computes exactly what it did. The runner
+  gives the weights this room at load (`widen_for_fold`), before the KV cache is sized and any
+  graph captured, so the model's weights are never held twice;
 - the expand into the kernel that reads y next (kernels/triton/lora_epilogue.py): the fused
   residual add + RMSNorm after o_proj and down_proj, SwiGLU after gate_up_proj, the rotary +
   KV-cache store after qkv_proj add each element's `u Bᵀ` as they load it. Bᵀ of the adapter
@@ -25,7 +27,8 @@ took fails the capture (the runner then keeps the other graphs).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -33,7 +36,12 @@ from torch import nn
 
 from services.engine.kernels.triton.lora_epilogue import LoRAEpilogue
 from services.engine.lora.batch import LoRABatch
+from services.engine.lora.projections import projection_shapes
 from services.engine.lora.slots import LoRASlots
+from services.engine.lora.wrap import projection_modules
+from services.engine.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class WideningProjection(Protocol):
@@ -59,6 +67,57 @@ def fusable(base: nn.Module, out_features: int, in_features: int, dtype: torch.d
     )
 
 
+def widen_for_fold(
+    model: nn.Module, config: ModelConfig, rank: int
+) -> dict[tuple[int, str], torch.Tensor]:
+    """Store each plain projection weight of `model` with room for one adapter's A of `rank`
+    rows a slice below it, right after load: the weight becomes a view of the first rows of a
+    zero-tailed [out + slices·rank, in] buffer. Done before the KV cache is sized and any graph
+    captured, the old weight is freed at once and nothing holds the model's weights twice.
+    Returns the buffers by (layer, projection), for FusedDecode.bind."""
+    shapes = projection_shapes(config)
+    wide: dict[tuple[int, str], torch.Tensor] = {}
+    for layer, name, parent, child in projection_modules(model):
+        module = getattr(parent, child)
+        shape = shapes[name]
+        weight = getattr(module, "weight", None)
+        if (
+            getattr(module, "bias", None) is not None
+            or not isinstance(weight, torch.Tensor)
+            or tuple(weight.shape) != (shape.out_features, shape.in_features)
+            or not weight.is_contiguous()
+        ):
+            continue
+        wide[layer, name] = _widened(module, shape.out_features + shape.num_slices * rank)
+        if weight.is_cuda:
+            # Give the old weight's blocks back before the next buffer is allocated: carved
+            # out of them, they would stay reserved, fragments no KV tensor fits in.
+            del weight
+            torch.cuda.empty_cache()
+    return wide
+
+
+@torch.no_grad()  # a copy recorded by autograd would keep the old weight alive
+def _widened(module: nn.Module, rows: int) -> torch.Tensor:
+    """A zero [rows, in] buffer whose first rows take `module.weight`'s values; the module's
+    weight becomes a view of them."""
+    old = module.weight
+    buffer = torch.zeros((rows, old.shape[1]), dtype=old.dtype, device=old.device)
+    buffer[: old.shape[0]].copy_(old)
+    module.weight = nn.Parameter(buffer[: old.shape[0]], requires_grad=False)
+    return buffer
+
+
+def _holds(buffer: torch.Tensor | None, weight: torch.Tensor, rows: int) -> bool:
+    """Whether `weight` is the first rows of `buffer`, which has `rows` rows."""
+    return (
+        buffer is not None
+        and buffer.shape == (rows, weight.shape[1])
+        and buffer.dtype == weight.dtype
+        and buffer.data_ptr() == weight.data_ptr()
+    )
+
+
 class FusedDecode:
     """One adapter's LoRA folded into the base matmuls and the kernels after them."""
 
@@ -68,6 +127,7 @@ class FusedDecode:
         device = slots.device
         self._weights: dict[tuple[int, str], torch.Tensor] = {}  # [W; A] per layer, projection
         self._a_tails: dict[str, list[torch.Tensor]] = {}  # per projection, every layer's A rows
+        self._held: list[torch.Tensor] = []  # originals of weights copied wider by bind
         self._bt = {
             name: torch.zeros(
                 (slots.num_layers, self.width, shape.out_features), dtype=slots.dtype, device=device
@@ -94,27 +154,36 @@ class FusedDecode:
         tails = sum(t.nbytes for tails in self._a_tails.values() for t in tails)
         return tails + sum(t.nbytes for t in self._bt.values())
 
-    def bind(self, bases: Iterable[tuple[int, str, nn.Module]]) -> None:
+    def bind(
+        self,
+        bases: Iterable[tuple[int, str, nn.Module]],
+        wide: Mapping[tuple[int, str], torch.Tensor] | None = None,
+    ) -> None:
         """Give each (layer, projection, base) a weight with room for A below it; the base's
-        weight becomes a view of its first rows (same values, same storage order)."""
+        weight becomes a view of its first rows (same values, same storage order). `wide`: the
+        buffers `widen_for_fold` gave the weights at load, taken as they are; a weight without
+        one is copied into a new buffer here, and the original is kept: graphs captured
+        before read it (the engine's weights are then held twice; see widen_for_fold)."""
         slots = self.slots
+        wide = wide or {}
         for layer, name, base in bases:
             shape = slots.shapes[name]
-            old = base.weight
-            extra = shape.num_slices * self.width
-            wide = torch.zeros(
-                (old.shape[0] + extra, old.shape[1]), dtype=old.dtype, device=old.device
-            )
-            wide[: old.shape[0]].copy_(old)
-            base.weight = nn.Parameter(wide[: old.shape[0]], requires_grad=False)
-            del old
-            self._weights[layer, name] = wide
-            self._a_tails.setdefault(name, []).append(wide[-extra:])
+            rows = shape.out_features + shape.num_slices * self.width
+            buffer = wide.get((layer, name))
+            if not _holds(buffer, base.weight, rows):
+                self._held.append(base.weight)  # graphs captured before still read it
+                buffer = _widened(base, rows)
+            self._weights[layer, name] = buffer
+            self._a_tails.setdefault(name, []).append(buffer[shape.out_features :])
         for name, tails in self._a_tails.items():
             if len(tails) != slots.num_layers:
                 raise ValueError(f"{name}: {len(tails)} layers bound, model {slots.num_layers}")
-        if slots.device.type == "cuda":
-            torch.cuda.empty_cache()  # the replaced weights' blocks go back to the device
+        if self._held and slots.device.type == "cuda":
+            logger.warning(
+                "LoRA fold: %d projection weights copied wider after load; the originals stay "
+                "allocated for the graphs captured over them (widen_for_fold at load avoids it)",
+                len(self._held),
+            )
 
     # ---- per step ---------------------------------------------------------------------------
     def supports(self, batch: LoRABatch) -> bool:

@@ -8,6 +8,8 @@ the packed layers stay what runs the base matmul.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -39,6 +41,14 @@ class LoRALinear(nn.Module):
         return f"layer={self.layer}, projection={self.projection}"
 
 
+def projection_modules(model: nn.Module) -> Iterator[tuple[int, str, nn.Module, str]]:
+    """(layer index, projection, parent module, attribute) of every decoder layer's four
+    projections in `model.model.layers`, in order."""
+    for index, layer in enumerate(model.get_submodule("model.layers")):
+        for projection, (parent_name, child) in _PROJECTION_PATHS.items():
+            yield index, projection, layer.get_submodule(parent_name), child
+
+
 def attach_lora(model: nn.Module, runtime: LoRARuntime) -> int:
     """Wrap the projections of every layer of `model.model.layers`; how many were wrapped."""
     layers = model.get_submodule("model.layers")
@@ -47,13 +57,11 @@ def attach_lora(model: nn.Module, runtime: LoRARuntime) -> int:
             f"model has {len(layers)} layers, the LoRA slots {runtime.slots.num_layers}"
         )
     wrapped = 0
-    for index, layer in enumerate(layers):
-        for projection, (parent_name, child) in _PROJECTION_PATHS.items():
-            parent = layer.get_submodule(parent_name)
-            module = getattr(parent, child)
-            if isinstance(module, LoRALinear):
-                module.runtime = runtime
-                continue
-            setattr(parent, child, LoRALinear(module, runtime, index, projection))
-            wrapped += 1
+    for index, projection, parent, child in projection_modules(model):
+        module = getattr(parent, child)
+        if isinstance(module, LoRALinear):
+            module.runtime = runtime
+            continue
+        setattr(parent, child, LoRALinear(module, runtime, index, projection))
+        wrapped += 1
     return wrapped

@@ -79,8 +79,29 @@ def test_the_determinism_flag_reaches_the_kernels() -> None:
 def test_the_fused_decode_flag_reaches_the_lora_config() -> None:
     from services.engine.worker_config import WorkerConfig
 
-    assert not LoRAConfig.from_engine_config(EngineConfig()).fused_decode  # opt-in
-    engine = WorkerConfig.from_argv(["--lora-fused-decode"]).engine
-    assert LoRAConfig.from_engine_config(engine).fused_decode
+    assert LoRAConfig.from_engine_config(EngineConfig()).fused_decode  # on by default
+    engine = WorkerConfig.from_argv(["--no-lora-fused-decode"]).engine
+    assert not LoRAConfig.from_engine_config(engine).fused_decode
     with pytest.raises(InvalidArgumentError, match="fused_decode"):
         LoRAConfig(fused_decode="yes")
+
+
+@pytest.mark.parametrize(
+    ("fields", "rank"),
+    [
+        ({"adapter_root": "/adapters", "max_lora_rank": 16}, 16),
+        ({"adapter_root": "/adapters", "lora_fused_decode": False}, 0),
+        ({}, 0),  # adapters off
+    ],
+)
+def test_a_cuda_runner_widens_its_weights_only_for_the_fold(
+    monkeypatch: pytest.MonkeyPatch, fields: dict, rank: int
+) -> None:
+    """The fold's room below the projection weights is asked for at load exactly when adapters
+    are on and the fold is."""
+    from services.engine.cuda_runner import CudaModelRunner
+
+    seen = {}
+    monkeypatch.setattr(CudaModelRunner, "__init__", lambda self, files, **kw: seen.update(kw))
+    CudaModelRunner.from_engine_config(EngineConfig(device="cpu", **fields), None)
+    assert seen["lora_fold_rank"] == rank

@@ -9,6 +9,9 @@ adapter or its slot's contents change.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as functional
@@ -22,7 +25,9 @@ from tests.lora_adapters import random_weights, tiny_model_config
 
 pytest.importorskip("triton", reason="the epilogue's module imports Triton")
 
-from services.engine.lora.fused import FusedDecode, captured, fusable  # noqa: E402
+from services.engine.loader.weights import build_model  # noqa: E402
+from services.engine.lora.fused import FusedDecode, captured, fusable, widen_for_fold  # noqa: E402
+from services.engine.lora.wrap import projection_modules  # noqa: E402
 
 MAX_RANK = 8
 
@@ -144,3 +149,61 @@ def test_a_capture_fails_when_a_delta_is_left_unapplied() -> None:
         assert fused.take(fused.project(0, "o_proj", x, base)) is not None
 
     captured(fused, takes_it)
+
+
+def test_weights_widened_at_load_are_taken_as_they_are() -> None:
+    """widen_for_fold gives every projection weight room below it right after load: same
+    values, a view of a zero-tailed buffer, the model's output unchanged; FusedDecode.bind then
+    takes those buffers without copying a weight (a copy would leave the old one held by the
+    graphs captured before)."""
+    config = tiny_model_config()
+    model = build_model(config, weights_dir=None, device="cpu", dtype=torch.float32, seed=3)
+    before = {
+        (layer, name): getattr(parent, child).weight.detach().clone()
+        for layer, name, parent, child in projection_modules(model)
+    }
+    originals = [
+        weakref.ref(getattr(parent, child).weight)
+        for *_, parent, child in projection_modules(model)
+    ]
+    wide = widen_for_fold(model, config, MAX_RANK)
+    assert set(wide) == set(before)
+    gc.collect()
+    assert all(ref() is None for ref in originals)  # freed at once: no weight held twice
+    assert all(buffer.grad_fn is None for buffer in wide.values())
+    slots = LoRASlots(config, max_loras=2, max_rank=MAX_RANK, dtype=torch.float32, device="cpu")
+    bases = []
+    for layer, name, parent, child in projection_modules(model):
+        module, shape = getattr(parent, child), slots.shapes[name]
+        buffer = wide[layer, name]
+        assert buffer.shape == (shape.out_features + shape.num_slices * MAX_RANK, shape.in_features)
+        assert module.weight.data_ptr() == buffer.data_ptr()
+        assert torch.equal(module.weight, before[layer, name])
+        assert not buffer[shape.out_features :].any()
+        module.forward_with = lambda x, weight: functional.linear(x, weight)
+        bases.append((layer, name, module))
+    fused = FusedDecode(slots, max_rows=16)
+    fused.bind(bases, wide)
+    for layer, name, module in bases:
+        assert fused._weights[layer, name] is wide[layer, name]  # taken, not copied
+        assert module.weight.data_ptr() == wide[layer, name].data_ptr()
+    fresh = build_model(config, weights_dir=None, device="cpu", dtype=torch.float32, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for (_, name, parent, child), (*_, fresh_parent, _) in zip(
+            projection_modules(model), projection_modules(fresh), strict=True
+        ):
+            x = torch.randn(3, slots.shapes[name].in_features, generator=generator)
+            assert torch.equal(getattr(parent, child)(x), getattr(fresh_parent, child)(x))
+
+
+def test_bind_copies_a_weight_without_room_below_it_and_keeps_the_original() -> None:
+    """Without buffers from the load, bind copies each weight wider and keeps the original:
+    graphs captured before bind read it."""
+    _slots, fused, bases, originals = _setup()
+    assert len(fused._held) == len(bases)
+    for key, base in bases.items():
+        buffer = fused._weights[key]
+        assert buffer.data_ptr() == base.weight.data_ptr()
+        assert buffer.shape[0] > originals[key].shape[0]
+        assert any(torch.equal(held, originals[key]) for held in fused._held)

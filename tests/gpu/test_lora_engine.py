@@ -89,7 +89,7 @@ def _llm(
 def test_mixed_adapters_on_cuda_match_alone_and_the_cpu_engine(model_dir: Path) -> None:
     gpu = _llm(model_dir, "cuda")
     assert gpu.engine.runner.fast is not None and gpu.engine.adapters.runtime.kernels == "triton"
-    assert gpu.engine.adapters.warm_up([1, 5, 64, 10_000]) == 4 * 4 * 2  # 10,000: max_rows
+    assert gpu.engine.adapters.warm_up([1, 5, 64, 10_000]) == 4 * 4 * 4  # 10,000: max_rows
     cpu = _llm(model_dir, "cpu")
     names = [None, *ADAPTERS]
     jobs = [(name, prompt) for name in names for prompt in PROMPTS]

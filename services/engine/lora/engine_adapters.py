@@ -136,8 +136,9 @@ class EngineAdapters:
 
     def warm_up(self, row_counts: Iterable[int]) -> int:
         """Compile the GPU kernels' variants for these step sizes before serving, so the first
-        adapter request pays no compilation: each projection's shrink and expand once per row
-        count, on slot 0 into scratch outputs. The launches made (0 on the torch path)."""
+        adapter request pays no compilation: each projection's shrink and expand per row count,
+        the expand both adding and writing (LoRARuntime.warm_kernels), on slot 0 into scratch
+        outputs. The launches made (0 on the torch path)."""
         runtime = self.runtime
         if runtime.kernels != "triton":
             return 0
@@ -151,12 +152,12 @@ class EngineAdapters:
                 for name, shape in self.slots.shapes.items():
                     x = torch.zeros(rows, shape.in_features, dtype=self.dtype, device=self.device)
                     y = torch.zeros(rows, shape.out_features, dtype=self.dtype, device=self.device)
-                    runtime.apply(0, name, x, y)
-                    launches += 2
+                    launches += runtime.warm_kernels(name, x, y)
         finally:
             runtime.long_segment_rows = long_segment_rows
             runtime.set_batch(LoRABatch(0))
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return launches
 
     def wait_for_slot_writes(self) -> int:

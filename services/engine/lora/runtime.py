@@ -277,6 +277,19 @@ class LoRARuntime:
             u = self._shrink_into(layer, projection, x, bound)
             self._expand_into(layer, projection, u, y, bound)
 
+    def warm_kernels(self, projection: str, x: torch.Tensor, y: torch.Tensor) -> int:
+        """Launch this step's shrink and expand of `projection` (layer 0) every way a step may
+        run them: the expand adding into y (graphs, `apply`) and writing y (the deltas-first
+        path of eager steps, `project`), so each variant is compiled before serving. The
+        launches made (0 off the kernels' path or with no tile)."""
+        bound = self._kernel_bound() if self.kernels == "triton" else 0
+        if not bound:
+            return 0
+        for write in (False, True):
+            u = self._shrink_into(0, projection, x, bound)
+            self._expand_into(0, projection, u, y, bound, write=write)
+        return 4
+
     def project(
         self,
         layer: int,

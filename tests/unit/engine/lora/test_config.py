@@ -105,3 +105,26 @@ def test_a_cuda_runner_widens_its_weights_only_for_the_fold(
     monkeypatch.setattr(CudaModelRunner, "__init__", lambda self, files, **kw: seen.update(kw))
     CudaModelRunner.from_engine_config(EngineConfig(device="cpu", **fields), None)
     assert seen["lora_fold_rank"] == rank
+
+
+def test_the_warm_up_compiles_the_expand_both_adding_and_writing() -> None:
+    """Eager steps write their deltas first (the expand storing into y), graphs add them after
+    the matmul: the warm-up launches both for every projection and row count, so no request's
+    step waits for a kernel variant to compile."""
+    pytest.importorskip("triton", reason="the kernels' runtime imports Triton")
+    from services.engine.lora.engine_adapters import EngineAdapters
+    from tests.lora_adapters import tiny_model_config
+
+    config = tiny_model_config()
+    lora = LoRAConfig(max_loras=2, max_cpu_loras=2, max_lora_rank=8, adapter_root="/adapters")
+    adapters = EngineAdapters(
+        lora, config, dtype=torch.float32, device="cpu", kernels="triton", max_rows=64
+    )
+    runtime = adapters.runtime
+    expands: list[tuple[int, bool]] = []
+    runtime._shrink = lambda *args, **kwargs: None
+    runtime._expand = lambda u, b, y, *args, **kwargs: expands.append((y.shape[0], kwargs["write"]))
+    assert adapters.warm_up([1, 40, 1000]) == 3 * 4 * 4  # 1,000 rows: max_rows (64)
+    assert sorted(set(expands)) == [(1, False), (1, True), (40, False), (40, True),
+                                    (64, False), (64, True)]  # fmt: skip
+    assert runtime.batch.is_empty

@@ -56,12 +56,19 @@ class WideningProjection(Protocol):
 
 def fusable(base: nn.Module, out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     """Whether `base` can carry an adapter's A below its weight (see WideningProjection)."""
-    weight = getattr(base, "weight", None)
     return (
         callable(getattr(base, "forward_with", None))
-        and getattr(base, "bias", None) is None
+        and _plain(base, out_features, in_features)
+        and base.weight.dtype == dtype
+    )
+
+
+def _plain(module: nn.Module, out_features: int, in_features: int) -> bool:
+    """Whether `module` is x Wᵀ with a contiguous weight [out_features, in_features]."""
+    weight = getattr(module, "weight", None)
+    return (
+        getattr(module, "bias", None) is None
         and isinstance(weight, torch.Tensor)
-        and weight.dtype == dtype
         and tuple(weight.shape) == (out_features, in_features)
         and weight.is_contiguous()
     )
@@ -70,29 +77,29 @@ def fusable(base: nn.Module, out_features: int, in_features: int, dtype: torch.d
 def widen_for_fold(
     model: nn.Module, config: ModelConfig, rank: int
 ) -> dict[tuple[int, str], torch.Tensor]:
-    """Store each plain projection weight of `model` with room for one adapter's A of `rank`
-    rows a slice below it, right after load: the weight becomes a view of the first rows of a
+    """Store each projection weight of `model` with room for one adapter's A of `rank` rows a
+    slice below it, right after load: the weight becomes a view of the first rows of a
     zero-tailed [out + slices·rank, in] buffer. Done before the KV cache is sized and any graph
     captured, the old weight is freed at once and nothing holds the model's weights twice.
-    Returns the buffers by (layer, projection), for FusedDecode.bind."""
+    Returns the buffers by (layer, projection), for FusedDecode.bind; none when a projection
+    is not a plain x Wᵀ (a bias: the fold, which needs them all, is not used then)."""
     shapes = projection_shapes(config)
+    modules = [
+        (layer, name, getattr(parent, child))
+        for layer, name, parent, child in projection_modules(model)
+    ]
+    if not all(
+        _plain(module, shapes[name].out_features, shapes[name].in_features)
+        for _, name, module in modules
+    ):
+        return {}
     wide: dict[tuple[int, str], torch.Tensor] = {}
-    for layer, name, parent, child in projection_modules(model):
-        module = getattr(parent, child)
+    for layer, name, module in modules:
         shape = shapes[name]
-        weight = getattr(module, "weight", None)
-        if (
-            getattr(module, "bias", None) is not None
-            or not isinstance(weight, torch.Tensor)
-            or tuple(weight.shape) != (shape.out_features, shape.in_features)
-            or not weight.is_contiguous()
-        ):
-            continue
         wide[layer, name] = _widened(module, shape.out_features + shape.num_slices * rank)
-        if weight.is_cuda:
+        if module.weight.is_cuda:
             # Give the old weight's blocks back before the next buffer is allocated: carved
             # out of them, they would stay reserved, fragments no KV tensor fits in.
-            del weight
             torch.cuda.empty_cache()
     return wide
 

@@ -207,3 +207,15 @@ def test_bind_copies_a_weight_without_room_below_it_and_keeps_the_original() -> 
         assert buffer.data_ptr() == base.weight.data_ptr()
         assert buffer.shape[0] > originals[key].shape[0]
         assert any(torch.equal(held, originals[key]) for held in fused._held)
+
+
+def test_no_weight_is_widened_when_a_projection_is_not_plain() -> None:
+    """The fold needs every projection: with a bias on one (x Wᵀ + b), none gets the room."""
+    config = tiny_model_config()
+    model = build_model(config, weights_dir=None, device="cpu", dtype=torch.float32, seed=3)
+    *_, parent, child = next(iter(projection_modules(model)))
+    module = getattr(parent, child)
+    module.bias = nn.Parameter(torch.zeros(module.weight.shape[0]), requires_grad=False)
+    weights = {id(getattr(p, c).weight) for *_, p, c in projection_modules(model)}
+    assert widen_for_fold(model, config, MAX_RANK) == {}
+    assert {id(getattr(p, c).weight) for *_, p, c in projection_modules(model)} == weights

@@ -285,10 +285,12 @@ class LoRARuntime:
         bound = self._kernel_bound() if self.kernels == "triton" else 0
         if not bound:
             return 0
+        launches = 0
         for write in (False, True):
             u = self._shrink_into(0, projection, x, bound)
             self._expand_into(0, projection, u, y, bound, write=write)
-        return 4
+            launches += 2
+        return launches
 
     def project(
         self,

@@ -5,14 +5,15 @@ over its weight with the adapter's A below it, and adds u Bᵀ inside the kernel
 projection output next. This times, in the same process, at `--rows` rows of
 `dummy:llama-3-8b`'s shapes in bfloat16:
 
-- each projection's cuBLAS matmul over W and over W with 0, slices x rank, 64, 128 and 256 rows
-  more (what the wider output costs);
+- each projection's cuBLAS matmul over W and over W with `--extras` rows more (what the wider
+  output costs, and which widths cuBLAS runs best), each launch of the graph reading another
+  layer's weight (`--layers` of them) as the model does, so no weight is served from L2;
 - the residual add + RMSNorm, SwiGLU and rotary + KV-store kernels without and with the
   epilogue (rank `--rank`, every row the adapter's).
 
 Each figure: `--reps` launches captured in one CUDA graph, the median over `--iterations`
-replays, per launch in microseconds (tp_sum_norm_bench.time_path). Prints one JSON report
-(`--out` too).
+replays, per launch in microseconds (tp_sum_norm_bench.time_path), at each of `--rows`. Prints
+one JSON report (`--out` too).
 
     python -m benchmarks.lora_epilogue_bench --out lora-epilogue.json
 """
@@ -41,12 +42,38 @@ SHAPES = {
 }
 
 
+EXTRAS = (0, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
 def graph_us(fn: Callable[[], Any], reps: int, iterations: int) -> float:
     """Median microseconds per call of `fn` over replays of a CUDA graph of `reps` calls."""
     return time_path(lambda turn: fn(), "cuda", calls=reps, replays=iterations)[0]
 
 
-def measure(rows: int, rank: int, reps: int, iterations: int) -> dict[str, Any]:
+def matmul_us(
+    rows_list: list[int], extras: list[int], layers: int, reps: int, iterations: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """{rows: {projection: {extra rows: µs a launch}}}: x W_lᵀ with W_l [out + extra, in],
+    the graph's launches cycling through `layers` weights."""
+    device, dtype = "cuda", torch.bfloat16
+    times: dict[str, dict[str, dict[str, float]]] = {str(rows): {} for rows in rows_list}
+    for name, (k, n, _slices) in SHAPES.items():
+        inputs = {rows: torch.randn(rows, k, device=device, dtype=dtype) for rows in rows_list}
+        for extra in extras:
+            weights = [
+                torch.randn(n + extra, k, device=device, dtype=dtype) * 0.01 for _ in range(layers)
+            ]
+            for rows, x in inputs.items():
+                run = lambda turn, x=x, w=weights: functional.linear(x, w[turn])  # noqa: E731
+                per_launch = time_path(run, device, calls=reps, replays=iterations, turns=layers)
+                times[str(rows)].setdefault(name, {})[str(extra)] = per_launch[0]
+            del weights
+            torch.cuda.empty_cache()
+    return times
+
+
+def kernels_us(rows: int, rank: int, reps: int, iterations: int) -> dict[str, dict[str, float]]:
+    """The three consumer kernels without and with the epilogue, µs a launch."""
     from services.engine.kernels.triton.lora_epilogue import LoRAEpilogue
     from services.engine.kernels.triton.rms_norm import rms_norm
     from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
@@ -58,15 +85,6 @@ def measure(rows: int, rank: int, reps: int, iterations: int) -> dict[str, Any]:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype)
 
-    matmuls: dict[str, dict[str, float]] = {}
-    for name, (k, n, slices) in SHAPES.items():
-        x = randn(rows, k)
-        times = {}
-        for extra in (0, slices * rank, 64, 128, 256):
-            weight = randn(n + extra, k) * 0.01
-            run = lambda x=x, w=weight: functional.linear(x, w)  # noqa: E731
-            times[str(extra)] = graph_us(run, reps, iterations)
-        matmuls[name] = times
     rank_tensor = torch.tensor([rank], dtype=torch.int32, device=device)
     rows_on = torch.ones(rows, dtype=torch.int32, device=device)
 
@@ -119,7 +137,11 @@ def measure(rows: int, rank: int, reps: int, iterations: int) -> dict[str, Any]:
         "plain": graph_us(lambda: rotary(plain_qkv, None), reps, iterations),
         "epilogue": graph_us(lambda: rotary(wide_qkv, lora_qkv), reps, iterations),
     }
-    return {"matmul_us_by_extra_rows": matmuls, "kernel_us": kernels}
+    return kernels
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,8 +150,17 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--rows", type=int, default=64, help="rows of the step")
+    parser.add_argument(
+        "--rows", type=_ints, default=[16, 32, 64], help="rows of the step, comma-separated"
+    )
     parser.add_argument("--rank", type=int, default=16, help="the adapter's rank (slice width)")
+    parser.add_argument(
+        "--extras",
+        type=_ints,
+        default=list(EXTRAS),
+        help="rows added below each weight, comma-separated",
+    )
+    parser.add_argument("--layers", type=int, default=32, help="weights a matmul graph cycles")
     parser.add_argument("--reps", type=int, default=32, help="launches in the graph")
     parser.add_argument("--iterations", type=int, default=20, help="graph replays")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
@@ -143,7 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python -m benchmarks.lora_epilogue_bench", *raw]),
         "rows": args.rows,
         "rank": args.rank,
-        **measure(args.rows, args.rank, args.reps, args.iterations),
+        "layers": args.layers,
+        "matmul_us_by_extra_rows": matmul_us(
+            args.rows, args.extras, args.layers, args.reps, args.iterations
+        ),
+        "kernel_us": {
+            str(rows): kernels_us(rows, args.rank, args.reps, args.iterations) for rows in args.rows
+        },
     }
     text = json.dumps(report, indent=2)
     print(text)

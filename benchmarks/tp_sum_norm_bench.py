@@ -152,21 +152,23 @@ def run_case(rank: int, hidden: int, rows: int, one_shot, fused, device) -> dict
     return case
 
 
-def time_path(call, device, calls: int = CALLS, replays: int = REPLAYS) -> tuple[float, Any]:
+def time_path(
+    call, device, calls: int = CALLS, replays: int = REPLAYS, turns: int = 2
+) -> tuple[float, Any]:
     """Median microseconds per call over `replays` replays of a CUDA graph of `calls` calls
-    (`call(turn)`, turns 0 and 1 alternating), and the last call's result."""
+    (`call(turn)`, turns 0 to `turns` - 1 in a cycle), and the last call's result."""
     import torch
 
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for turn in range(2):  # warm (and compile) on the capture stream
+        for turn in range(min(turns, 2)):  # warm (and compile) on the capture stream
             call(turn)
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for index in range(calls):
-            result = call(index % 2)
+            result = call(index % turns)
     graph.replay()
     torch.cuda.synchronize(device)
     times = []

@@ -167,6 +167,9 @@ def test_steps_of_many_adapters_replay_their_own_graphs_and_keep_every_token(
     written as zeros); each request's tokens stay those it gets alone."""
     gpu = _llm(model_dir, "cuda", max_loras=4)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # Every adapter read from disk and in a slot first: loads run beside the steps, so a
+    # request whose adapter is still loading would start steps later than the others.
+    gpu.generate([PROMPTS[0]] * len(ADAPTERS), greedy, adapters=list(ADAPTERS))
     jobs = [(name, prompt) for name in [None, *ADAPTERS] for prompt in PROMPTS[:1]]
     jobs += [(name, PROMPTS[1]) for name in ADAPTERS]  # 9 rows: padded to a bucket of 16
     graphs = gpu.engine.runner.fast.graphs

@@ -58,13 +58,15 @@ from services.engine.lora.weights import AdapterWeights, ProjectionWeights
 
 RANK = 16
 BLOCK_SIZE = 16
-# eager_ab's settings of the runtime: (write_tile_deltas, long_segment_rows).
+# eager_ab's settings of the runtime: (write_tile_deltas, long_segment_rows, SwiGLU adding
+# gate_up's deltas as it reads them where every row is in a tile: --lora-fused-swiglu).
 EAGER_VARIANTS = {
-    "deltas_first": (True, LONG_SEGMENT_ROWS),  # the default
-    "tiles_added_after": (False, LONG_SEGMENT_ROWS),
-    "runs_of_512_through_cublas": (True, 512),
-    "runs_of_2048_through_cublas": (True, 2048),
-    "runs_of_4096_through_cublas": (True, 4096),
+    "deltas_first": (True, LONG_SEGMENT_ROWS, False),  # the default
+    "fused_swiglu": (True, LONG_SEGMENT_ROWS, True),
+    "tiles_added_after": (False, LONG_SEGMENT_ROWS, False),
+    "runs_of_512_through_cublas": (True, 512, False),
+    "runs_of_2048_through_cublas": (True, 2048, False),
+    "runs_of_4096_through_cublas": (True, 4096, False),
 }
 MIXED_CONTEXT = 256  # tokens before each decode row of the mixed step
 
@@ -345,7 +347,8 @@ def eager_ab(
     the base model (the LoRA runtime bound, doing nothing): interleaved rounds, the median of
     each, ratios to that base."""
     runtime = adapters.runtime
-    saved = runtime.write_tile_deltas, runtime.long_segment_rows
+    saved = runtime.write_tile_deltas, runtime.long_segment_rows, runtime.tile_consumer
+    consumer = runtime.tile_consumer or runner.fast.ops  # the SwiGLU kernel's (fused_swiglu)
     steps: dict[tuple[str, str], Callable] = {}
     for label, batch in batches.items():
         slots = [
@@ -359,11 +362,12 @@ def eager_ab(
     try:
         for _ in range(rounds):
             for (label, variant), step in steps.items():
-                write, threshold = EAGER_VARIANTS.get(variant, saved)
+                write, threshold, takes = EAGER_VARIANTS[variant]
                 runtime.write_tile_deltas, runtime.long_segment_rows = write, threshold
+                runtime.tile_consumer = consumer if takes else None
                 samples[label, variant].append(time_steps(step, iterations, sync, warmup=1))
     finally:
-        runtime.write_tile_deltas, runtime.long_segment_rows = saved
+        runtime.write_tile_deltas, runtime.long_segment_rows, runtime.tile_consumer = saved
     median = {key: statistics.median(values) for key, values in samples.items()}
     return {
         "variants": {name: list(setting) for name, setting in EAGER_VARIANTS.items()},

@@ -166,6 +166,13 @@ class EngineConfig:
         "(max_lora_rank rows a slice: ~160 MB on an 8B model at rank 64). "
         "--no-lora-fused-decode runs those steps through the LoRA kernels",
     )
+    lora_fused_swiglu: bool = field(
+        False,
+        help="on a GPU, steps of several adapters leave gate_up's LoRA deltas to the SwiGLU "
+        "kernel, which adds them as it reads gate and up, instead of writing them out for the "
+        "matmul to add onto (prefill and mixed steps under 16 adapters 4-6 %% faster on an "
+        "H100, BENCHMARKS.md); experimental, off by default (README: what ran on a GPU)",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):

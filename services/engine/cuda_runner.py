@@ -227,11 +227,22 @@ class CudaModelRunner(BaseModelRunner):
         inputs, so a new adapter mix needs no recapture), and the small buckets once more for
         steps of many adapters ("lora-many"); with `fused_decode`, once more for steps of one
         adapter, whose LoRA runs inside the base kernels ("lora-one"). A step without adapter
-        rows keeps replaying the base graphs, which do no LoRA work."""
+        rows keeps replaying the base graphs, which do no LoRA work. With `fused_swiglu`,
+        SwiGLU adds gate_up's deltas wherever a step writes its deltas first (graphs and
+        eager steps alike)."""
         super().bind_lora(adapters)
-        if self.fast is None or not self.use_cuda_graphs:
+        if self.fast is None:
             return
         runtime = adapters.runtime
+        if self.tensor_parallel is None:
+            # The norms, SwiGLU and the rotary store add the deltas of the one-adapter fold
+            # (runtime.fused) and, with fused_swiglu, SwiGLU those of gate_up in steps of
+            # several adapters (LoRARuntime.take)
+            self.fast.bind_epilogues(runtime)
+            if adapters.config.fused_swiglu:
+                runtime.tile_consumer = self.fast.ops
+        if not self.use_cuda_graphs:
+            return
         graphs = self.fast.graphs
         runtime.graph_rows = graphs.max_batch_size  # wider steps never replay
         runtime.graph_buckets = graphs.buckets
@@ -280,14 +291,12 @@ class CudaModelRunner(BaseModelRunner):
         started = time.perf_counter()
         fused = FusedDecode(slots, self.fast.graphs.max_batch_size)
         fused.bind(bases, self._fold_weights)
-        runtime.fused = fused
-        self.fast.bind_epilogues(fused)
+        runtime.fused = fused  # the kernels ask the runtime (bound in bind_lora), it asks this
         try:
             captured(fused, lambda: self.fast.capture_graphs(LORA_ONE_GRAPHS))
         except Exception:  # any model the fast path takes should fold; say so and go on
             logger.exception("LoRA decode not fused: capturing the one-adapter graphs failed")
             self.fast.graphs.drop(LORA_ONE_GRAPHS)
-            self.fast.bind_epilogues(None)
             runtime.fused = None
             return None
         logger.info(

@@ -59,11 +59,13 @@ def _llm(
     quantum_ms: float | None = None,
     max_loras: int = 2,
     fused_decode: bool = True,
+    fused_swiglu: bool = False,
 ) -> LLM:
     slicing = {} if quantum_ms is None else {"lora_slot_quantum_ms": quantum_ms}
     config = EngineConfig(
         **slicing,
         lora_fused_decode=fused_decode,
+        lora_fused_swiglu=fused_swiglu,
         model=str(directory / "base"),
         device=device,
         dtype="float32",
@@ -197,3 +199,29 @@ def test_time_sliced_slots_with_steps_planned_ahead_keep_every_token(model_dir: 
         alone = gpu.generate([prompt], greedy, adapters=name)[0]
         assert output.token_ids == alone.token_ids, (name, prompt)
     engine.shutdown()
+
+
+def test_swiglu_taking_gate_up_deltas_keeps_every_token(model_dir: Path) -> None:
+    """--lora-fused-swiglu: steps of several adapters leave gate_up's deltas to SwiGLU (eager
+    prefill and mixed steps, the graphs of many adapters): each request's greedy tokens stay
+    those the default engine gives it, and the warm-up compiles that kernel too."""
+    fused = _llm(model_dir, "cuda", max_loras=4, fused_swiglu=True)
+    plain = _llm(model_dir, "cuda", max_loras=4)
+    runtime = fused.engine.adapters.runtime
+    assert runtime.tile_consumer is not None and plain.engine.adapters.runtime.tile_consumer is None
+    # per row count the shrink and both expands of each projection, and for gate_up the
+    # shrink and SwiGLU adding its deltas as it reads them
+    assert fused.engine.adapters.warm_up([1, 5, 64]) == 3 * (4 * 4 + 2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for llm in (fused, plain):  # every adapter in a slot first (as the test above)
+        llm.generate([PROMPTS[0]] * len(ADAPTERS), greedy, adapters=list(ADAPTERS))
+    names = [None, *ADAPTERS, *ADAPTERS]
+    prompts = [PROMPTS[index % 2] for index in range(len(names))]
+    got = fused.generate(prompts, greedy, adapters=names)
+    want = plain.generate(prompts, greedy, adapters=names)
+    for name, fast, slow in zip(names, got, want, strict=True):
+        assert fast.token_ids == slow.token_ids, name
+    assert runtime._pending is None
+    for llm in (fused, plain):
+        llm.engine.shutdown()
+    torch.cuda.synchronize()

@@ -64,6 +64,19 @@ def _row_slots(kind: str, rows: int, max_loras: int, generator) -> list[int]:
     return out[:rows]
 
 
+def _runtimes(device: str, shape: str, dtype: torch.dtype, max_rank: int, rows: int,
+              graph_pad: int = 0) -> tuple:  # fmt: skip
+    """(config, slots, the kernels' runtime, the float32 torch reference) over 8 filled slots;
+    graph_pad: steps of `rows` rows are narrower than a CUDA graph bucket that much wider."""
+    config = tiny_model_config(**SHAPES[shape])
+    slots, reference_slots = _filled_slots(config, 8, max_rank, dtype, device)
+    runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
+    if graph_pad:
+        runtime.graph_rows = rows + graph_pad
+        runtime.graph_buckets = (rows + graph_pad,)
+    return config, slots, runtime, LoRARuntime(reference_slots, kernels="torch")
+
+
 def check_against_torch(
     device: str,
     shape: str,
@@ -80,17 +93,11 @@ def check_against_torch(
     write_tile_deltas as LoRARuntime's (eager steps of a plain base); graph_pad: the step is
     narrower than a CUDA graph bucket `graph_pad` rows wider, so the kernels' tiles cover rows
     past the step's own, which an eager step must leave alone."""
-    config = tiny_model_config(**SHAPES[shape])
     max_loras = 8
-    slots, reference_slots = _filled_slots(config, max_loras, max_rank, dtype, device)
-    runtime = LoRARuntime(slots, kernels="triton", max_rows=MAX_ROWS)
+    config, slots, runtime, reference = _runtimes(device, shape, dtype, max_rank, rows, graph_pad)
     if long_segment_rows is not None:
         runtime.long_segment_rows = long_segment_rows
     runtime.write_tile_deltas = write_tile_deltas
-    if graph_pad:
-        runtime.graph_rows = rows + graph_pad
-        runtime.graph_buckets = (rows + graph_pad,)
-    reference = LoRARuntime(reference_slots, kernels="torch")
     generator = torch.Generator().manual_seed(rows)
     row_slots = _row_slots(kind, rows, max_loras, generator)
     batch = LoRABatch.from_row_slots(row_slots)
@@ -177,6 +184,83 @@ class PlainBase(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return x @ self.weight.t()
+
+
+def check_swiglu_tiles(
+    device: str,
+    shape: str,
+    dtype: torch.dtype,
+    kind: str,
+    rows: int,
+    max_rank: int,
+    graph_pad: int = 0,
+) -> None:
+    """gate_up through project with the fast path's SwiGLU as the runtime's tile consumer: a
+    plain base matmul and the shrink, then SwiGLU adding each tile's deltas to gate and up as
+    it reads them; against the torch path's deltas on the base product, then silu(gate) * up.
+    graph_pad: a step narrower than its graph bucket (tiles cover rows past its own). A delta
+    no kernel took fails the next projection."""
+    from services.engine.backends.cuda_fast_path import TritonOps
+
+    config, slots, runtime, reference = _runtimes(device, shape, dtype, max_rank, rows, graph_pad)
+    ops = TritonOps()
+    ops.epilogues, ops.bound, runtime.tile_consumer = runtime, True, ops
+    generator = torch.Generator().manual_seed(rows)
+    batch = LoRABatch.from_row_slots(_row_slots(kind, rows, 8, generator))
+    runtime.set_batch(batch)
+    reference.set_batch(batch)
+    spec = slots.shapes["gate_up_proj"]
+    half = spec.out_features // 2
+    tolerance = 2e-4 if dtype == torch.float32 else 3e-2
+
+    def rand(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=generator) * scale).to(dtype).to(device)
+
+    for layer in range(config.num_layers):
+        x = rand(rows, spec.in_features)
+        base = PlainBase(rand(spec.out_features, spec.in_features, scale=1 / 8))
+        y = runtime.project(layer, "gate_up_proj", x, base)
+        assert (runtime._pending is not None) == (not batch.is_empty), kind
+        out = ops.silu_mul(y)
+        assert runtime._pending is None
+        plain = (x.float() @ base.weight.float().t()).to(dtype).float()
+        expected = plain.clone()
+        reference.apply(layer, "gate_up_proj", x.float(), expected)
+        gate, up = expected[:, :half], expected[:, half:]
+        silu = gate * torch.sigmoid(gate)
+        want = silu * up
+        # gate and up each within tolerance of their base product and delta (check_against_
+        # torch); through silu(gate) * up (silu's slope at most 1.1), then rounded once more
+        scale = 1 + plain.abs() + (expected - plain).abs()
+        bound = tolerance * (
+            1 + want.abs() + 1.1 * up.abs() * scale[:, :half] + silu.abs() * scale[:, half:]
+        )
+        error = (out.float() - want).abs()
+        assert bool((error <= bound).all()), (kind, float((error - bound).max()))
+    if not batch.is_empty:
+        runtime.project(0, "gate_up_proj", x, base)  # left for SwiGLU, which never runs
+        down = slots.shapes["down_proj"]
+        with pytest.raises(RuntimeError, match="never took"):
+            runtime.project(
+                0, "down_proj", rand(rows, down.in_features),
+                PlainBase(rand(down.out_features, down.in_features)),
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("kind", "rows"), [("distinct", 64), ("one-adapter", 40), ("runs", 300), ("all-base", 8)]
+)
+@pytest.mark.parametrize("max_rank", [16, 64])
+def test_swiglu_adds_a_steps_tile_deltas_as_it_reads_gate_up(
+    shape, dtype, kind, rows, max_rank
+) -> None:
+    check_swiglu_tiles(DEVICE, shape, dtype, kind, rows, max_rank)
+
+
+def test_swiglu_tiles_leave_rows_past_a_narrower_step_alone() -> None:
+    check_swiglu_tiles(DEVICE, "wide", torch.bfloat16, "distinct", 45, 16, graph_pad=19)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

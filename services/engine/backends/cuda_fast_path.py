@@ -39,10 +39,14 @@ _ROLES = {"qkv_proj": "qkv", "o_proj": "output", "gate_up_proj": "gate_up", "dow
 
 class TritonOps:
     """The fused element-wise Triton kernels (layers/fused_ops.FusedOps) for CUDA tensors; each
-    adds the LoRA delta awaiting its input, if any (`epilogues`, set with LoRA bound)."""
+    adds the LoRA delta awaiting its input, if any (`epilogues`, set with LoRA bound). SwiGLU
+    also takes the deltas of a step of several adapters (`consumes`: lora/runtime.py)."""
+
+    consumes = frozenset({"gate_up_proj"})
 
     def __init__(self) -> None:
         self.epilogues: EpilogueSource | None = None
+        self.bound = False  # whether the model runs through these now (CudaFastPath._bind)
 
     def supports(self, x: torch.Tensor) -> bool:
         return x.is_cuda
@@ -56,6 +60,12 @@ class TritonOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         lora = None if self.epilogues is None else self.epilogues.take(gate_up)
         return swiglu(gate_up, lora=lora)
+
+    def warm(self, projection: str, y: torch.Tensor) -> None:
+        """Run the kernel that reads `projection`'s output (lora/runtime.py: TileConsumer)."""
+        if projection != "gate_up_proj":
+            raise ValueError(f"no kernel here reads {projection}'s output")
+        self.silu_mul(y)
 
 
 class TunedLinear(nn.Module):
@@ -145,9 +155,11 @@ class CudaFastPath:
         for linear in self.linears:
             linear.active = True
         model.head_projection = self._head
+        self.ops.bound = True
 
     def _unbind(self) -> None:
         model = self.model
+        self.ops.bound = False
         model.use_fused_ops(None)
         for layer, backend in zip(model.attention_layers, self._plain_backends, strict=True):
             layer.backend = backend

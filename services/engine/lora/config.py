@@ -35,6 +35,9 @@ class LoRAConfig:
     # CUDA fast path: decode steps of one adapter fold its LoRA into the base kernels (the
     # projection weights get room for it at load: lora/fused.py)
     fused_decode: bool = True
+    # CUDA fast path: SwiGLU adds the gate_up deltas of steps of several adapters as it reads
+    # them (lora/runtime.py: tile_consumer)
+    fused_swiglu: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):
@@ -49,7 +52,7 @@ class LoRAConfig:
         quantum = self.slot_quantum_ms
         if isinstance(quantum, bool) or not isinstance(quantum, int | float) or quantum < 0:
             raise InvalidArgumentError(f"slot_quantum_ms must be >= 0, got {quantum!r}")
-        for name in ("deterministic", "fused_decode"):
+        for name in ("deterministic", "fused_decode", "fused_swiglu"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.adapter_root is not None and (
@@ -75,4 +78,6 @@ class LoRAConfig:
             values["deterministic"] = config.lora_deterministic
         if hasattr(config, "lora_fused_decode"):
             values["fused_decode"] = config.lora_fused_decode
+        if hasattr(config, "lora_fused_swiglu"):
+            values["fused_swiglu"] = config.lora_fused_swiglu
         return cls(**values)

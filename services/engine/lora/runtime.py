@@ -24,13 +24,16 @@ plain `x Wᵀ` at that size (`plain_weight`), `project` writes every adapter row
 the base model's rows and a graph's padding: tiles of the zero slot), and the base matmul adds
 itself onto them (`addmm_`): the output is read once inside a compute-bound matmul instead of
 in a memory-bound pass of its own after it. CUDA graphs wider than SIDE_SHRINK_MAX_ROWS, and
-those the runner captures for steps of many adapters, do the same.
+those the runner captures for steps of many adapters, do the same. Where the kernel that reads a
+projection's output next can add the deltas itself (`tile_consumer`: the CUDA fast path's
+SwiGLU, for gate_up_proj), the runtime runs only the shrink and the plain base matmul and
+leaves the step's tiles for that kernel (`take`): the deltas never go through memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -43,6 +46,7 @@ from services.engine.lora.torch_ops import add_lora, add_lora_grouped, write_lor
 
 if TYPE_CHECKING:  # the native CPU kernels are loaded by the CPU runner, when it has them
     from services.engine.kernels.cpu.cpu_native import CpuKernels
+    from services.engine.kernels.triton.lora_epilogue import LoRAEpilogue, LoRATiles
     from services.engine.lora.fused import FusedDecode
 
 KERNELS = ("torch", "triton")
@@ -61,6 +65,19 @@ LONG_SEGMENT_ROWS = 1024
 # captures both; at 64 rows of 64 adapters 3.65 ms against 4.68, of one adapter 1.00 against
 # 0.79).
 SIDE_SHRINK_MAX_ROWS = 64
+
+
+class TileConsumer(Protocol):
+    """Kernels that read projection outputs next and can add a step's tile deltas as they load
+    them (the CUDA fast path's TritonOps)."""
+
+    consumes: frozenset[str]  # the projections whose outputs they read
+    bound: bool  # whether the model runs through them now
+    epilogues: object  # the source they ask for deltas
+
+    def warm(self, projection: str, y: torch.Tensor) -> None:
+        """Run the kernel that reads `projection`'s output y (taking its deltas), to compile it."""
+        ...
 
 
 class LoRARuntime:
@@ -120,6 +137,10 @@ class LoRARuntime:
         # On the CUDA fast path: one adapter's LoRA folded into the base kernels, for the decode
         # graphs the runner captures for steps of one adapter (services/engine/lora/fused.py).
         self.fused: FusedDecode | None = None
+        # On the CUDA fast path: the kernels that add deltas of the projections they read
+        # (SwiGLU, gate_up_proj), and the output whose deltas await them (y, tiles).
+        self.tile_consumer: TileConsumer | None = None
+        self._pending: tuple[torch.Tensor, LoRATiles] | None = None
         if kernels == "triton":
             self._init_kernel_buffers(max_rows)
 
@@ -194,6 +215,7 @@ class LoRARuntime:
         """This step's rows and slots (for triton: written into the fixed layout buffers)."""
         self.batch = batch
         self._uncovered = None
+        self._pending = None  # a step that failed midway may have left one
         if self.read_fences is not None:
             self.read_fences.begin_step(self._slots_read(batch))
         if self.kernels != "triton":
@@ -290,6 +312,13 @@ class LoRARuntime:
             u = self._shrink_into(0, projection, x, bound)
             self._expand_into(0, projection, u, y, bound, write=write)
             launches += 2
+        if self._consumer_takes(projection):  # and the kernel that adds them as it reads y
+            self._leave_tiles(0, projection, x, y)
+            self.tile_consumer.warm(projection, y)
+            if self._pending is not None:
+                self._pending = None
+                raise RuntimeError(f"the kernel reading {projection} took none of its deltas")
+            launches += 2
         return launches
 
     def project(
@@ -309,11 +338,15 @@ class LoRARuntime:
         (prefill and mixed) whose base is a plain x Wᵀ, the deltas are written first and the
         base matmul adds onto them (`_base_onto_deltas`). While the graphs of one adapter are
         captured, `fused` takes the projection (no LoRA kernel at all). Otherwise as apply."""
+        if self._pending is not None:
+            raise RuntimeError("a LoRA delta was left for a kernel that never took it")
         fused = self.fused
         if fused is not None and fused.capturing:
             return fused.project(layer, projection, x, base)
         weight = self._deltas_first_weight(layer, projection, x, base)
         if weight is not None:
+            if self._consumer_takes(projection):
+                return self._base_for_consumer(layer, projection, x, weight)
             return self._base_onto_deltas(layer, projection, x, weight)
         bound = self._kernel_bound() if self._side_stream is not None else 0
         if (
@@ -397,6 +430,63 @@ class LoRARuntime:
             self._expand_into(layer, projection, u, y, bound)
         return y
 
+    def _consumer_takes(self, projection: str) -> bool:
+        """Whether the kernel reading `projection`'s output next adds this step's deltas
+        itself: a bound tile consumer of it asking this runtime, every row in a tile (no long
+        run: those go through cuBLAS), the tiles' deltas written rather than added after."""
+        consumer = self.tile_consumer
+        return (
+            consumer is not None
+            and consumer.bound
+            and consumer.epilogues is self
+            and projection in consumer.consumes
+            and self._long.is_empty
+            and self.write_tile_deltas
+            and self._kernel_bound() > 0
+        )
+
+    def _base_for_consumer(
+        self, layer: int, projection: str, x: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """x Wᵀ, with this step's tiles and their u left for the kernel that reads it next."""
+        if x.shape[0] > self.max_rows:
+            raise ValueError(f"{x.shape[0]} rows, more than max_rows {self.max_rows}")
+        y = torch.mm(x, weight.t())
+        self._leave_tiles(layer, projection, x, y)
+        return y
+
+    def _leave_tiles(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Run the shrink of x and leave its u and the step's tiles for the kernel reading y."""
+        from services.engine.kernels.triton.lora_epilogue import LoRATiles
+
+        bound = self._graph_tile_bound(x, self._kernel_bound())
+        u = self._shrink_into(layer, projection, x, bound)
+        tiles = LoRATiles(
+            u=u,
+            b=self.slots.b[layer][projection],
+            tiles=self._tiles,
+            row_indices=self._row_indices,
+            slot_ranks=self.slots.kernel_rank_tensors[projection],
+            tile_rows=TILE_ROWS,
+            tile_bound=bound,
+        )
+        self._pending = (y, tiles)
+
+    def take(self, x: torch.Tensor) -> LoRAEpilogue | LoRATiles | None:
+        """The deltas awaiting the projection output `x` (EpilogueSource): the one-adapter
+        fold's while its graphs are captured, else the tiles `project` left; None if none."""
+        fused = self.fused
+        if fused is not None and fused.pending is not None:
+            return fused.take(x)
+        pending = self._pending
+        if pending is None:
+            return None
+        y, tiles = pending
+        if x.data_ptr() != y.data_ptr() or x.shape != y.shape:
+            return None
+        self._pending = None
+        return tiles
+
     def _cover(self, rows: int) -> int:
         """The rows a step of `rows` rows computes: the CUDA graph bucket it may replay, or
         `rows` itself in a step no graph takes."""
@@ -424,9 +514,7 @@ class LoRARuntime:
         """Launch the shrink of x into the next u buffer (zeroing the other); that buffer."""
         u, zero = self._u_pairs[self._u_turn]
         self._u_turn ^= 1
-        if self.launch_always and x.is_cuda and torch.cuda.is_current_stream_capturing():
-            # a graph of x's rows replays steps cut into at most this many tiles
-            bound = min(bound, max_tiles(x.shape[0], self.slots.max_loras))
+        bound = self._graph_tile_bound(x, bound)
         self._shrink(
             x,
             self.slots.a[layer][projection],
@@ -441,6 +529,13 @@ class LoRARuntime:
             counters=self._counters,
         )
         return u
+
+    def _graph_tile_bound(self, x: torch.Tensor, bound: int) -> int:
+        """`bound`, or while a graph of x's rows is captured with every tile launched, the
+        tiles a step of that many rows is cut into at most."""
+        if self.launch_always and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return min(bound, max_tiles(x.shape[0], self.slots.max_loras))
+        return bound
 
     def _expand_into(
         self,

@@ -41,10 +41,26 @@ class LoRAEpilogue:
         return (self.u, self.u.stride(0), self.bt, self.rows_on, self.rank)
 
 
+@dataclass(frozen=True)
+class LoRATiles:
+    """The deltas of a step of any adapter mix, for a consumer kernel to add as it loads the
+    projection output: each tile of rows (one slot; the base model's rows in tiles of a slot of
+    rank 0) takes its rows' u (lora_shrink's, float32) times its slot's B. The layout is the
+    LoRA runtime's (services/engine/lora/runtime.py; lora_expand reads the same)."""
+
+    u: torch.Tensor  # float32 [rows, slices * max_rank]: each row's x Aᵀ per slice
+    b: torch.Tensor  # [slots, out, max_rank], last dim contiguous: every slot's B
+    tiles: torch.Tensor  # int32 [1 + 3 * capacity]: count, then the tiles' slots, starts, rows
+    row_indices: torch.Tensor  # int32: each tile's rows, from its start
+    slot_ranks: torch.Tensor  # int32 [slots]: each slot's rank in this projection
+    tile_rows: int  # rows a tile holds at most
+    tile_bound: int  # tiles the step may have (the grid covers this many)
+
+
 class EpilogueSource(Protocol):
     """Where a consumer kernel's caller finds the delta awaiting its input, if any."""
 
-    def take(self, x: torch.Tensor) -> LoRAEpilogue | None:
+    def take(self, x: torch.Tensor) -> LoRAEpilogue | LoRATiles | None:
         """The epilogue of the projection output `x` starts at; None when none awaits it."""
         ...
 

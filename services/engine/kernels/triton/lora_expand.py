@@ -29,7 +29,11 @@ from services.engine.kernels.triton.launch import (
     pdl_options,
     pdl_wait,
 )
-from services.engine.kernels.triton.lora_shrink import persistent_grid, pow2_at_least
+from services.engine.kernels.triton.lora_shrink import (
+    persistent_grid,
+    pow2_at_least,
+    tile_layout,
+)
 
 BLOCK_N = 256
 # Blocks of BLOCK_N columns per work item in prefill-sized steps: tiles are many there, and
@@ -94,15 +98,12 @@ def _lora_expand_kernel(
         # began, so read before the wait (their latency overlaps that kernel's tail).
         tile = item // num_blocks
         block = item % num_blocks
-        slot = tl.load(tiles_ptr + 1 + tile).to(tl.int64)
-        rank = tl.load(slot_ranks_ptr + slot)
-        start = tl.load(tiles_ptr + 1 + TILE_CAPACITY + tile)
-        count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
+        slot, rank, rows, mask_m = tile_layout(
+            tiles_ptr, row_indices_ptr, slot_ranks_ptr, tile, offs_m, TILE_CAPACITY
+        )
         slice_id = tl.load(blocks_ptr + 3 * block)
         first = tl.load(blocks_ptr + 3 * block + 1)
         end = tl.load(blocks_ptr + 3 * block + 2)
-        mask_m = offs_m < count
-        rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
         mask_m &= rows < row_limit  # fill rows past an eager step's own (KernelTiles)
         mask_r = offs_r < rank  # the slot's real rank (0: nothing to add): padding never read
         u_ptrs = u_ptr + rows[:, None] * stride_um + slice_id * MAX_RANK + offs_r[None, :]

@@ -43,6 +43,21 @@ PREFILL_K_PER_SPLIT = 1024
 
 
 @triton.jit
+def tile_layout(
+    tiles_ptr, row_indices_ptr, slot_ranks_ptr, tile, offs_m, TILE_CAPACITY: tl.constexpr
+):  # fmt: skip
+    """(its slot (int64), the slot's rank in this projection, its rows (int64, 0 past its
+    count), the mask of its rows) of `tile` in a step's packed layout (lora/batch.py)."""
+    slot = tl.load(tiles_ptr + 1 + tile).to(tl.int64)
+    rank = tl.load(slot_ranks_ptr + slot)
+    start = tl.load(tiles_ptr + 1 + TILE_CAPACITY + tile)
+    count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
+    mask_m = offs_m < count
+    rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return slot, rank, rows, mask_m
+
+
+@triton.jit
 def _add_splits(
     acc, u_ptrs, u_mask, partials_ptr, counters_ptr, tile, split, offs_m, offs_j,
     SPLIT_K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -106,12 +121,9 @@ def _lora_shrink_kernel(
     while item < num_items:
         tile = item // SPLIT_K
         split = item % SPLIT_K
-        slot = tl.load(tiles_ptr + 1 + tile).to(tl.int64)
-        rank = tl.load(slot_ranks_ptr + slot)
-        start = tl.load(tiles_ptr + 1 + TILE_CAPACITY + tile)
-        count = tl.load(tiles_ptr + 1 + 2 * TILE_CAPACITY + tile)
-        mask_m = offs_m < count
-        rows = tl.load(row_indices_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        slot, rank, rows, mask_m = tile_layout(
+            tiles_ptr, row_indices_ptr, slot_ranks_ptr, tile, offs_m, TILE_CAPACITY
+        )
         # the layout above is read before the wait; x, u and zero only after it
         pdl_wait(USE_PDL)
         u_offsets = rows[:, None] * stride_um + offs_j[None, :]

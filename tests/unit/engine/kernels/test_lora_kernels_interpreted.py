@@ -5,7 +5,8 @@ path; base rows untouched bit for bit) on the tiny and a wider shape: adapters o
 ranks and target modules, one adapter for every row, runs of adapters among base rows, split K
 with the alternating shrink buffers (the splits summed in split order through the workspace),
 long runs through cuBLAS beside the kernels, a plain base matmul adding onto deltas written
-first (the kernels' too, or added after it), a step narrower than its CUDA graph bucket; and
+first (the kernels' too, or added after it), a step narrower than its CUDA graph bucket,
+SwiGLU adding a step's tile deltas as it reads gate and up (check_swiglu_tiles); and
 the one-adapter LoRA epilogues of the norm, SwiGLU and rotary kernels
 (tests/gpu/test_lora_epilogue.py). The
 interpreter has no bfloat16 and no CUDA graphs; those run on a GPU. `TRITON_INTERPRET` is read
@@ -45,6 +46,10 @@ for shape, kind, rows, max_rank, *more in json.loads(sys.argv[1]):
     print("ok", shape, kind, rows, max_rank, flush=True)
 check_splits_in_order("cpu", torch.float32, repeats=1)
 print("ok splits in order", flush=True)
+from tests.gpu.test_lora_kernels import check_swiglu_tiles
+for kind, rows, pad in (("distinct", 20, 0), ("runs", 90, 0), ("distinct", 13, 6)):
+    check_swiglu_tiles("cpu", "tiny", torch.float32, kind, rows, 16, graph_pad=pad)
+print("ok swiglu tiles", flush=True)
 from tests.gpu.test_lora_epilogue import check_epilogues
 for width in (8, 12):
     check_epilogues("cpu", torch.float32, width)
@@ -64,4 +69,4 @@ def test_kernels_match_the_torch_path_in_the_interpreter() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == len(CASES) + 2
+    assert result.stdout.count("ok ") == len(CASES) + 3

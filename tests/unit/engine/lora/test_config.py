@@ -86,6 +86,51 @@ def test_the_fused_decode_flag_reaches_the_lora_config() -> None:
         LoRAConfig(fused_decode="yes")
 
 
+def test_the_fused_swiglu_flag_is_off_by_default_and_reaches_the_lora_config() -> None:
+    from services.engine.worker_config import WorkerConfig
+
+    assert not LoRAConfig.from_engine_config(EngineConfig()).fused_swiglu
+    engine = WorkerConfig.from_argv(["--lora-fused-swiglu"]).engine
+    assert LoRAConfig.from_engine_config(engine).fused_swiglu
+    with pytest.raises(InvalidArgumentError, match="fused_swiglu"):
+        LoRAConfig(fused_swiglu=1)
+
+
+def test_deltas_are_left_to_a_kernel_only_while_it_runs_the_model_and_asks_this_runtime() -> None:
+    """LoRARuntime leaves gate_up's deltas to SwiGLU (tile_consumer) only where that kernel
+    will run next and ask it: the fast path bound (not its plain-torch reference mode), its
+    source this runtime, a projection it reads, every row in a tile (no long run), deltas
+    written first; otherwise the deltas go through memory as before."""
+    pytest.importorskip("triton", reason="the kernels' runtime imports Triton")
+    from services.engine.backends.cuda_fast_path import TritonOps
+    from services.engine.lora.batch import LoRABatch
+    from services.engine.lora.runtime import LoRARuntime
+    from services.engine.lora.slots import LoRASlots
+    from tests.lora_adapters import tiny_model_config
+
+    slots = LoRASlots(tiny_model_config(), max_loras=2, max_rank=8, dtype=torch.float32,
+                      device="cpu")  # fmt: skip
+    runtime = LoRARuntime(slots, kernels="triton", max_rows=64)
+    ops = TritonOps()
+    runtime.set_batch(LoRABatch.from_row_slots([0, -1, 1, 1]))
+    assert not runtime._consumer_takes("gate_up_proj")  # none bound
+    runtime.tile_consumer = ops
+    assert not runtime._consumer_takes("gate_up_proj")  # not running the model
+    ops.bound = True
+    assert not runtime._consumer_takes("gate_up_proj")  # asks another source (or none)
+    ops.epilogues = runtime
+    assert runtime._consumer_takes("gate_up_proj")
+    assert not runtime._consumer_takes("down_proj")  # read by the next matmul, no kernel
+    runtime.write_tile_deltas = False
+    assert not runtime._consumer_takes("gate_up_proj")
+    runtime.write_tile_deltas = True
+    runtime.long_segment_rows = 2  # the run of two rows goes through cuBLAS
+    runtime.set_batch(LoRABatch.from_row_slots([0, -1, 1, 1]))
+    assert not runtime._consumer_takes("gate_up_proj")
+    runtime.set_batch(LoRABatch.from_row_slots([-1, -1]))  # no adapter rows: nothing to add
+    assert not runtime._consumer_takes("gate_up_proj")
+
+
 @pytest.mark.parametrize(
     ("fields", "rank"),
     [

@@ -362,7 +362,8 @@ def eager_ab(
     try:
         for _ in range(rounds):
             for (label, variant), step in steps.items():
-                write, threshold, takes = EAGER_VARIANTS[variant]
+                # no adapter row in the base step: the runtime's settings do not matter there
+                write, threshold, takes = EAGER_VARIANTS.get(variant, (*saved[:2], True))
                 runtime.write_tile_deltas, runtime.long_segment_rows = write, threshold
                 runtime.tile_consumer = consumer if takes else None
                 samples[label, variant].append(time_steps(step, iterations, sync, warmup=1))

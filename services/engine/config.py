@@ -171,7 +171,8 @@ class EngineConfig:
         help="on a GPU, steps of several adapters leave gate_up's LoRA deltas to the SwiGLU "
         "kernel, which adds them as it reads gate and up, instead of writing them out for the "
         "matmul to add onto (prefill and mixed steps under 16 adapters 4-6 %% faster on an "
-        "H100, BENCHMARKS.md); experimental, off by default (README: what ran on a GPU)",
+        "H100, BENCHMARKS.md); off by default: through the multi-LoRA stack benchmark it has "
+        "not shown a gain yet",
     )
 
     def __post_init__(self) -> None:

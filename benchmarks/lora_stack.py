@@ -26,7 +26,9 @@ Phases 1 and 2 run on a stack without adapters (`--base-stack plain`, the defaul
 model as it is served without LoRA), stopped before the LoRA stack starts; `--base-stack same`
 runs them on the LoRA stack (one start less; base rows then go through the LoRA-capable steps).
 `--slot-quanta 100,25` repeats phase 3 on a fresh LoRA stack per `--lora-slot-quantum-ms` value
-(`lora_poisson` is the first; the others go in `quantum_sweep` with their ratios to the base).
+(`lora_poisson` is the first; the others go in `quantum_sweep` with their ratios to the base),
+and `--ab-engine-args=FLAGS` (repeatable) once more per value with those engine flags added
+(`lora_poisson_ab_1`, ...): an A/B of an engine option on one card, in one run.
 The router's queue wait comes from its first-token phase histogram (bucket bounds) and is
 bounded above by the client's TTFT. Phase durations shrink to fit `--budget-s`; a request still
 running at the budget's end is cut (DEADLINE_EXCEEDED, counted in the phase's errors), and a
@@ -77,6 +79,36 @@ def _time_left(deadline: float) -> float:
 
 
 @dataclass(frozen=True)
+class LoRAVariant:
+    """One LoRA phase's stack: its key in `phases`, slot quantum and extra engine flags."""
+
+    key: str
+    quantum_ms: float | None = None
+    engine_args: str = ""
+
+    @property
+    def label(self) -> str:  # of its stack in setup and of its log directory
+        return self.key.replace("_poisson", "")
+
+
+def lora_variants(args: argparse.Namespace) -> list[LoRAVariant]:
+    """The LoRA phases of a run: one per --slot-quanta value (the engine's default quantum
+    without any), then one per --ab-engine-args at the first quantum."""
+    quanta = args.slot_quanta or [None]
+    variants = [
+        LoRAVariant(
+            "lora_poisson" if index == 0 else f"lora_poisson_quantum_{quantum_ms:g}", quantum_ms
+        )
+        for index, quantum_ms in enumerate(quanta)
+    ]
+    variants += [
+        LoRAVariant(f"lora_poisson_ab_{index}", quanta[0], flags)
+        for index, flags in enumerate(args.ab_engine_args, start=1)
+    ]
+    return variants
+
+
+@dataclass(frozen=True)
 class RunningStack:
     stack: Any  # services.launcher.Stack
     target: str  # the router's gRPC address
@@ -84,7 +116,11 @@ class RunningStack:
 
 
 def start_stack(
-    args: argparse.Namespace, adapter_root: Path | None, log_dir: Path, quantum_ms: float | None
+    args: argparse.Namespace,
+    adapter_root: Path | None,
+    log_dir: Path,
+    quantum_ms: float | None,
+    extra_engine_args: str = "",
 ) -> RunningStack:
     """A stack as `sluice up --no-ray --no-redis` starts it, adapters on when given a root."""
     from services.common.ports import free_port
@@ -106,7 +142,10 @@ def start_stack(
     log_dir.mkdir(parents=True, exist_ok=True)
     config = StackConfig(
         model=args.model, port=free_port(),
-        engine_args=("--device", args.device, *lora_flags, *args.engine_args.split()),
+        engine_args=(
+            "--device", args.device, *lora_flags, *args.engine_args.split(),
+            *extra_engine_args.split(),
+        ),
         router_args=router_args, log_dir=log_dir, startup_timeout_s=400.0,
     )  # fmt: skip
     stack = Stack(config).start()
@@ -115,15 +154,14 @@ def start_stack(
 
 
 def prepare(args: argparse.Namespace, root: Path | None, names: list[str], log_dir: Path,
-            setup: dict[str, Any], quantum_ms: float | None = None) -> RunningStack:  # fmt: skip
-    """Start a stack, register the adapters, warm it (one short request per adapter, 8 base)."""
+            setup: dict[str, Any], variant: LoRAVariant) -> RunningStack:  # fmt: skip
+    """Start a stack (adapters on with a root: `variant`'s), register the adapters, warm it
+    (one short request per adapter, 8 base)."""
     from services.launcher import describe_engines
 
     started = time.perf_counter()
-    running = start_stack(args, root, log_dir, quantum_ms)
-    key = "lora" if root is not None else "plain"
-    if root is not None and quantum_ms is not None and quantum_ms != args.slot_quanta[0]:
-        key = f"lora_quantum_{quantum_ms:g}"
+    running = start_stack(args, root, log_dir, variant.quantum_ms, variant.engine_args)
+    key = variant.label if root is not None else "plain"
     setup[f"{key}_stack_start_s"] = round(time.perf_counter() - started, 1)
     setup[f"{key}_engines"] = describe_engines(running.stack.engine_addresses)
     print(f"{key} stack up in {setup[f'{key}_stack_start_s']}s", flush=True)
@@ -186,9 +224,9 @@ def run_bench(args: argparse.Namespace, report: dict[str, Any], save, deadline: 
         names = written.pop("names")
         setup.update(written)
         save()
-        quanta = args.slot_quanta or [None]
+        variants = lora_variants(args)
         running = prepare(
-            args, None if plain else root, names, log_dir / args.base_stack, setup, quanta[0]
+            args, None if plain else root, names, log_dir / args.base_stack, setup, variants[0]
         )
         save()
         # 1. Base saturation, closed loop.
@@ -210,12 +248,12 @@ def run_bench(args: argparse.Namespace, report: dict[str, Any], save, deadline: 
         restart_s = setup["plain_stack_start_s"] + restart_s if plain else 0.0
         lora_restart_s = RESTART_ALLOWANCE_S + WARM_S_PER_ADAPTER * len(names)
         lora_restart_s += setup["plain_stack_start_s"] if plain else setup["lora_stack_start_s"]
-        restart_s += lora_restart_s * (len(quanta) - 1)
+        restart_s += lora_restart_s * (len(variants) - 1)
         spare_s = (
             _time_left(deadline) - restart_s
-            - (STOP_ALLOWANCE_S + LORA_EXTRA_DRAIN_S) * len(quanta)
+            - (STOP_ALLOWANCE_S + LORA_EXTRA_DRAIN_S) * len(variants)
         )  # fmt: skip
-        phases_left = 1 + len(quanta)
+        phases_left = 1 + len(variants)
         duration_s = min(args.duration_s, spare_s / phases_left - drain_s)
         report["phase_duration_s"] = round(duration_s, 1)
         if duration_s < 3.0:
@@ -234,16 +272,16 @@ def run_bench(args: argparse.Namespace, report: dict[str, Any], save, deadline: 
         phases["base_poisson"] = {"offered_req_s": report["rate_req_s"], **phase}
         print("base_poisson", json.dumps(phases["base_poisson"]), flush=True)
         save()
-        for index, quantum_ms in enumerate(quanta):
+        for index, variant in enumerate(variants):
             if plain or index > 0:
                 running.stack.stop()
                 running = None
-                where = log_dir / ("lora" if index == 0 else f"lora-quantum-{quantum_ms:g}")
-                running = prepare(args, root, names, where, setup, quantum_ms)
+                where = log_dir / variant.label.replace("_", "-")
+                running = prepare(args, root, names, where, setup, variant)
                 save()
-            key = "lora_poisson" if index == 0 else f"lora_poisson_quantum_{quantum_ms:g}"
+            key = variant.key
             print(f"{key}: {len(times)} requests over {duration_s:.0f}s", flush=True)
-            later_s = (lora_restart_s + duration_s + drain_s) * (len(quanta) - 1 - index)
+            later_s = (lora_restart_s + duration_s + drain_s) * (len(variants) - 1 - index)
             left_s = _time_left(deadline) - STOP_ALLOWANCE_S - later_s
             phase = poisson_phase(
                 args,
@@ -253,8 +291,9 @@ def run_bench(args: argparse.Namespace, report: dict[str, Any], save, deadline: 
                 # never less than the drain: past the budget rather than every request cut
                 max(drain_s + LORA_EXTRA_DRAIN_S, left_s - duration_s),
             )
-            phases[key] = {"offered_req_s": report["rate_req_s"], "slot_quantum_ms": quantum_ms,
-                           **phase}  # fmt: skip
+            phases[key] = {"offered_req_s": report["rate_req_s"],
+                           "slot_quantum_ms": variant.quantum_ms,
+                           "engine_args": variant.engine_args, **phase}  # fmt: skip
             print(key, json.dumps(phases[key]), flush=True)
             save()
     finally:
@@ -295,7 +334,9 @@ def headline(report: dict[str, Any], bound_s: float) -> None:
     report["queue_wait_goal"] = verdict
     report["quantum_sweep"] = [
         {
+            "phase": name,
             "slot_quantum_ms": phase.get("slot_quantum_ms"),
+            "engine_args": phase.get("engine_args", ""),
             "output_tok_s_over_base": _ratio(phase["output_tok_s"], base["output_tok_s"]),
             "p99_ttft_over_base": _ratio(phase["ttft_ms"]["p99"], base["ttft_ms"]["p99"]),
             "ttft_p50_ms": phase["ttft_ms"]["p50"],
@@ -388,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--slot-quanta", type=_quanta, default=[],
         help="comma-separated --lora-slot-quantum-ms values: the LoRA phase once per value, each "
         "on a fresh stack (default: the engine's default, one phase)",
+    )  # fmt: skip
+    add(
+        "--ab-engine-args", action="append", default=[], metavar="FLAGS",
+        help="the LoRA phase once more on a fresh stack with these engine flags added (after "
+        "--engine-args; repeatable), e.g. --ab-engine-args=--lora-fused-swiglu: an A/B of an "
+        "engine option on one card",
     )  # fmt: skip
     add("--budget-s", type=float, default=360.0, help="Poisson phases shrink to end by then")
     add("--out", type=Path, default=Path(tempfile.gettempdir()) / "lora-stack.json")

@@ -43,3 +43,41 @@ def test_requests_cut_at_the_budgets_end_leave_the_output_and_ttft_goals_undecid
         assert report["goals"][goal].startswith("undecided: 77 requests cut")
     assert report["lora_over_base_output_tok_s"] == 0.95
     assert report["goals"]["queue_wait_within_bound"] == "met"
+
+
+def test_each_ab_flag_set_adds_a_lora_phase_after_the_quanta() -> None:
+    from benchmarks.lora_stack import build_parser, lora_variants
+
+    plain = lora_variants(build_parser().parse_args([]))
+    assert [(v.key, v.quantum_ms, v.engine_args, v.label) for v in plain] == [
+        ("lora_poisson", None, "", "lora")
+    ]
+    args = build_parser().parse_args(
+        ["--slot-quanta", "100,25", "--ab-engine-args=--lora-fused-swiglu",
+         "--ab-engine-args", "--kv-cache-dtype fp8 --no-lora-fused-decode"]
+    )  # fmt: skip
+    assert [(v.key, v.quantum_ms, v.engine_args) for v in lora_variants(args)] == [
+        ("lora_poisson", 100.0, ""),
+        ("lora_poisson_quantum_25", 25.0, ""),
+        ("lora_poisson_ab_1", 100.0, "--lora-fused-swiglu"),
+        ("lora_poisson_ab_2", 100.0, "--kv-cache-dtype fp8 --no-lora-fused-decode"),
+    ]
+    assert lora_variants(args)[2].label == "lora_ab_1"
+
+
+def test_every_lora_phase_is_compared_with_the_base_and_says_its_flags() -> None:
+    ab = {**_phase(700, 300), "engine_args": "--lora-fused-swiglu", "slot_quantum_ms": None}
+    report = {
+        "phases": {
+            "base_poisson": _phase(1000, 100),
+            "lora_poisson": {**_phase(800, 400), "engine_args": "", "slot_quantum_ms": None},
+            "lora_poisson_ab_1": ab,
+        }
+    }
+    headline(report, bound_s=2.0)
+    assert report["lora_over_base_output_tok_s"] == 0.8  # the headline is the first phase's
+    assert [(row["phase"], row["engine_args"], row["output_tok_s_over_base"],
+             row["p99_ttft_over_base"]) for row in report["quantum_sweep"]] == [
+        ("lora_poisson", "", 0.8, 4.0),
+        ("lora_poisson_ab_1", "--lora-fused-swiglu", 0.7, 3.0),
+    ]  # fmt: skip

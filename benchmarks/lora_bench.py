@@ -61,8 +61,8 @@ BLOCK_SIZE = 16
 # eager_ab's settings of the runtime: (write_tile_deltas, long_segment_rows, SwiGLU adding
 # gate_up's deltas as it reads them where every row is in a tile: --lora-fused-swiglu).
 EAGER_VARIANTS = {
-    "deltas_first": (True, LONG_SEGMENT_ROWS, False),  # the default
-    "fused_swiglu": (True, LONG_SEGMENT_ROWS, True),
+    "deltas_first": (True, LONG_SEGMENT_ROWS, False),
+    "fused_swiglu": (True, LONG_SEGMENT_ROWS, True),  # the default
     "tiles_added_after": (False, LONG_SEGMENT_ROWS, False),
     "runs_of_512_through_cublas": (True, 512, False),
     "runs_of_2048_through_cublas": (True, 2048, False),

@@ -167,12 +167,12 @@ class EngineConfig:
         "--no-lora-fused-decode runs those steps through the LoRA kernels",
     )
     lora_fused_swiglu: bool = field(
-        False,
+        True,
         help="on a GPU, steps of several adapters leave gate_up's LoRA deltas to the SwiGLU "
         "kernel, which adds them as it reads gate and up, instead of writing them out for the "
-        "matmul to add onto (prefill and mixed steps under 16 adapters 4-6 %% faster on an "
-        "H100, BENCHMARKS.md); off by default: through the multi-LoRA stack benchmark it has "
-        "not shown a gain yet",
+        "matmul to add onto (prefill and mixed steps under 16 adapters 2.5-5 %% faster on an "
+        "H100, BENCHMARKS.md); --no-lora-fused-swiglu writes every delta first (not used on "
+        "tensor-parallel engines)",
     )
 
     def __post_init__(self) -> None:

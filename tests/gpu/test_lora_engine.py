@@ -59,7 +59,7 @@ def _llm(
     quantum_ms: float | None = None,
     max_loras: int = 2,
     fused_decode: bool = True,
-    fused_swiglu: bool = False,
+    fused_swiglu: bool = True,
 ) -> LLM:
     slicing = {} if quantum_ms is None else {"lora_slot_quantum_ms": quantum_ms}
     config = EngineConfig(
@@ -91,7 +91,9 @@ def _llm(
 def test_mixed_adapters_on_cuda_match_alone_and_the_cpu_engine(model_dir: Path) -> None:
     gpu = _llm(model_dir, "cuda")
     assert gpu.engine.runner.fast is not None and gpu.engine.adapters.runtime.kernels == "triton"
-    assert gpu.engine.adapters.warm_up([1, 5, 64, 10_000]) == 4 * 4 * 4  # 10,000: max_rows
+    # per row count the shrink and both expands of each projection, and for gate_up the
+    # shrink and SwiGLU adding its deltas as it reads them (10,000: max_rows)
+    assert gpu.engine.adapters.warm_up([1, 5, 64, 10_000]) == 4 * (4 * 4 + 2)
     cpu = _llm(model_dir, "cpu")
     names = [None, *ADAPTERS]
     jobs = [(name, prompt) for name in names for prompt in PROMPTS]
@@ -202,11 +204,12 @@ def test_time_sliced_slots_with_steps_planned_ahead_keep_every_token(model_dir: 
 
 
 def test_swiglu_taking_gate_up_deltas_keeps_every_token(model_dir: Path) -> None:
-    """--lora-fused-swiglu: steps of several adapters leave gate_up's deltas to SwiGLU (eager
-    prefill and mixed steps, the graphs of many adapters): each request's greedy tokens stay
-    those the default engine gives it, and the warm-up compiles that kernel too."""
-    fused = _llm(model_dir, "cuda", max_loras=4, fused_swiglu=True)
-    plain = _llm(model_dir, "cuda", max_loras=4)
+    """SwiGLU taking gate_up's deltas (the default) in steps of several adapters (eager
+    prefill and mixed steps, the graphs of many adapters): each request's greedy tokens are
+    those of an engine that writes every delta first (--no-lora-fused-swiglu), and the
+    warm-up compiles that kernel too."""
+    fused = _llm(model_dir, "cuda", max_loras=4)
+    plain = _llm(model_dir, "cuda", max_loras=4, fused_swiglu=False)
     runtime = fused.engine.adapters.runtime
     assert runtime.tile_consumer is not None and plain.engine.adapters.runtime.tile_consumer is None
     # per row count the shrink and both expands of each projection, and for gate_up the

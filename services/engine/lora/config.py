@@ -37,7 +37,7 @@ class LoRAConfig:
     fused_decode: bool = True
     # CUDA fast path: SwiGLU adds the gate_up deltas of steps of several adapters as it reads
     # them (lora/runtime.py: tile_consumer)
-    fused_swiglu: bool = False
+    fused_swiglu: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):

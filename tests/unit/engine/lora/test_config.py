@@ -86,12 +86,13 @@ def test_the_fused_decode_flag_reaches_the_lora_config() -> None:
         LoRAConfig(fused_decode="yes")
 
 
-def test_the_fused_swiglu_flag_is_off_by_default_and_reaches_the_lora_config() -> None:
+def test_the_fused_swiglu_flag_is_on_by_default_and_reaches_the_lora_config() -> None:
     from services.engine.worker_config import WorkerConfig
 
-    assert not LoRAConfig.from_engine_config(EngineConfig()).fused_swiglu
-    engine = WorkerConfig.from_argv(["--lora-fused-swiglu"]).engine
-    assert LoRAConfig.from_engine_config(engine).fused_swiglu
+    assert LoRAConfig().fused_swiglu
+    assert LoRAConfig.from_engine_config(EngineConfig()).fused_swiglu
+    engine = WorkerConfig.from_argv(["--no-lora-fused-swiglu"]).engine
+    assert not LoRAConfig.from_engine_config(engine).fused_swiglu
     with pytest.raises(InvalidArgumentError, match="fused_swiglu"):
         LoRAConfig(fused_swiglu=1)
 

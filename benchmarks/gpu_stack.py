@@ -328,8 +328,37 @@ def _phase(
             else None
         ),
     }
-    print(name, json.dumps({k: v for k, v in phase.items() if k != "ttft_in_order_s"}), flush=True)
+    if concurrency is None:  # open arrivals: what happened second by second
+        phase["timeline"] = send_timeline(result.records)
+    shown = {k: v for k, v in phase.items() if k not in ("ttft_in_order_s", "timeline")}
+    print(name, json.dumps(shown), flush=True)
     return phase
+
+
+def send_timeline(records: list[Any], bucket_s: float = 1.0) -> list[dict[str, Any]]:
+    """The requests by the second they were sent in: how many, how many were refused, and
+    the TTFTs of the admitted ones (median and largest): where in a phase a tail comes from."""
+    sent = [r for r in records if r.sent_s is not None]
+    if not sent:
+        return []
+    start = min(r.sent_s for r in sent)
+    buckets: dict[int, list[Any]] = {}
+    for record in sent:
+        buckets.setdefault(int((record.sent_s - start) // bucket_s), []).append(record)
+    rows = []
+    for index in sorted(buckets):
+        group = buckets[index]
+        ttfts = [r.ttft_s for r in group if r.status == "OK" and r.ttft_s is not None]
+        rows.append(
+            {
+                "from_s": round(index * bucket_s, 3),
+                "sent": len(group),
+                "refused": sum(r.status == "RESOURCE_EXHAUSTED" for r in group),
+                "ttft_p50_s": round(float(np.median(ttfts)), 3) if ttfts else None,
+                "ttft_max_s": round(max(ttfts), 3) if ttfts else None,
+            }
+        )
+    return rows
 
 
 def _round(value: float | None) -> float | None:

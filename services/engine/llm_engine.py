@@ -30,6 +30,7 @@ from services.common.errors import (
     NotFoundError,
     SluiceError,
 )
+from services.common.protocol import finish_profile
 from services.common.protocol.adapter_record import AdapterRecord, validate_adapter_name
 from services.common.protocol.sampling_params import SamplingParams, validate_prompt_token_ids
 from services.engine import compile_watch, overlap
@@ -379,6 +380,7 @@ class LLMEngine(OverlappedSteps):
     def load(self) -> EngineLoad:
         rates = self.rates
         adapters = self.adapters
+        finish_steps, finish_steps_of = self._finish_profile()
         return EngineLoad(
             free_blocks=self.block_manager.num_free_blocks,
             total_blocks=self.block_manager.num_blocks,
@@ -392,6 +394,22 @@ class LLMEngine(OverlappedSteps):
             prefill_tokens_per_s=rates.prefill_tokens_per_s,
             decode_tokens_per_s=rates.decode_tokens_per_s,
             finished_per_s=rates.finished_per_s,
+            finish_steps=finish_steps,
+            finish_steps_of=finish_steps_of,
+            stop_hazard=rates.stop_hazard,
+        )
+
+    def _finish_profile(self) -> tuple[tuple[int, ...], int]:
+        """Steps until each sequence of the running batch reaches its max_tokens, as a sampled
+        profile (finish_profile.sample); prompt + max_tokens never passes the model's length
+        (add_request checks), so max_tokens is each one's limit. Taken every step: ~0.1 ms
+        at 512 sequences, and a profile kept between steps would show finished sequences as
+        slots about to free."""
+        running = self.scheduler.running
+        if not running:
+            return (), 0
+        return finish_profile.sample(
+            [seq.params.max_tokens - len(seq.output_token_ids) for seq in running]
         )
 
     def _queue_state(self) -> QueueState:
@@ -431,16 +449,19 @@ class LLMEngine(OverlappedSteps):
     def step(self) -> StepOutput:
         """Run one step; every sequence's news and the engine's load (with measured rates)."""
         output = self._step()
-        decoded = finished = 0
+        decoded = finished = stopped_early = 0
         for delta in output.deltas:
             decoded += len(delta.new_token_ids)
-            finished += delta.finished
+            if delta.finished:
+                finished += 1
+                stopped_early += delta.finish_reason is not FinishReason.LENGTH
         prefill_tokens = max(output.num_batched_tokens - decoded, 0)
         self.rates.record(
             output.step_time_s,
             prefill_tokens=prefill_tokens,
             decode_tokens=decoded,
             finished=finished,
+            stopped_early=stopped_early,
         )
         self.stats.record(
             output.step_time_s, prefill_tokens, decoded, planned_ahead=output.planned_ahead

@@ -9,7 +9,9 @@ steps is not counted) and keeps an exponential average of each window's rates:
 
 - prefill tokens/s over the busy time of steps that held prefill work (a mixed step counts whole:
   decodes slow the prefill down, and that is the rate a queued prompt sees);
-- decode tokens/s and finished requests/s over all busy time.
+- decode tokens/s and finished requests/s over all busy time;
+- the stop hazard: requests that ended before their token limit (a stop token, an abort) per
+  token generated, i.e. the chance a running sequence frees its slot early at each step.
 
 The same steps fit the cost model that a step-time target (`target_step_ms`,
 services/engine/step_budget.py) sizes chunked prefill with: the wall time of a step that holds
@@ -44,6 +46,7 @@ class _Window:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     finished: int = 0
+    stopped_early: int = 0
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,7 @@ class StepRates:
         self.prefill_tokens_per_s = 0.0
         self.decode_tokens_per_s = 0.0
         self.finished_per_s = 0.0
+        self.stop_hazard = 0.0
         self._window = _Window()
         self.costs = StepCostFit()
 
@@ -185,9 +189,16 @@ class StepRates:
         return self.costs.cost()
 
     def record(
-        self, elapsed_s: float, *, prefill_tokens: int, decode_tokens: int, finished: int
+        self,
+        elapsed_s: float,
+        *,
+        prefill_tokens: int,
+        decode_tokens: int,
+        finished: int,
+        stopped_early: int = 0,
     ) -> None:
-        """One step's wall time and work (`decode_tokens`: tokens sampled, one per row)."""
+        """One step's wall time and work (`decode_tokens`: tokens sampled, one per row;
+        `stopped_early`: of the `finished`, those that ended before their token limit)."""
         if elapsed_s <= 0.0 or (prefill_tokens == 0 and decode_tokens == 0 and finished == 0):
             return
         if prefill_tokens:
@@ -201,6 +212,7 @@ class StepRates:
             window.prefill_busy_s += elapsed_s
         window.decode_tokens += decode_tokens
         window.finished += finished
+        window.stopped_early += stopped_early
         if window.busy_s >= self.window_s:
             self._fold(window)
             self._window = _Window()
@@ -217,9 +229,12 @@ class StepRates:
         )
         if window.finished or self.finished_per_s:
             self.finished_per_s = blend(self.finished_per_s, window.finished / window.busy_s)
+        if window.decode_tokens and (window.stopped_early or self.stop_hazard):
+            self.stop_hazard = blend(self.stop_hazard, window.stopped_early / window.decode_tokens)
 
     def reset(self) -> None:
         """Forget everything (after a warm-up, whose steps say nothing about serving)."""
         self.prefill_tokens_per_s = self.decode_tokens_per_s = self.finished_per_s = 0.0
+        self.stop_hazard = 0.0
         self._window = _Window()
         self.costs.reset()

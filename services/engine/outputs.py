@@ -64,6 +64,12 @@ class EngineLoad:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     finished_per_s: float = 0.0
+    # When the running batch's slots free up (services/common/protocol/finish_profile.py):
+    # steps until each running sequence reaches its token limit, sampled, and how many
+    # sequences that describes; ended early per token generated (stop tokens, aborts).
+    finish_steps: tuple[int, ...] = ()
+    finish_steps_of: int = 0
+    stop_hazard: float = 0.0
 
 
 @dataclass

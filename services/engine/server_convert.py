@@ -35,6 +35,9 @@ def load_to_pb(load: EngineLoad) -> engine_pb2.EngineLoad:
         prefill_tokens_per_s=load.prefill_tokens_per_s,
         decode_tokens_per_s=load.decode_tokens_per_s,
         finished_per_s=load.finished_per_s,
+        finish_steps=list(load.finish_steps),
+        finish_steps_of=load.finish_steps_of,
+        stop_hazard=load.stop_hazard,
     )
 
 

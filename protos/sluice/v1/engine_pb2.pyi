@@ -52,7 +52,7 @@ class EngineRequest(_message.Message):
     def __init__(self, submits: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ..., aborts: _Optional[_Iterable[str]] = ..., pacing: _Optional[_Union[StreamPacing, _Mapping]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters", "lora_slots", "loading_adapters", "queued_prompt_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "finished_per_s", "lora_adapter_capacity")
+    __slots__ = ("free_blocks", "total_blocks", "running", "waiting", "resident_adapters", "lora_slots", "loading_adapters", "queued_prompt_tokens", "prefill_tokens_per_s", "decode_tokens_per_s", "finished_per_s", "lora_adapter_capacity", "finish_steps", "finish_steps_of", "stop_hazard")
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,9 @@ class EngineLoad(_message.Message):
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     FINISHED_PER_S_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    FINISH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_STEPS_OF_FIELD_NUMBER: _ClassVar[int]
+    STOP_HAZARD_FIELD_NUMBER: _ClassVar[int]
     free_blocks: int
     total_blocks: int
     running: int
@@ -77,7 +80,10 @@ class EngineLoad(_message.Message):
     decode_tokens_per_s: float
     finished_per_s: float
     lora_adapter_capacity: int
-    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., loading_adapters: _Optional[_Iterable[str]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., finished_per_s: _Optional[float] = ..., lora_adapter_capacity: _Optional[int] = ...) -> None: ...
+    finish_steps: _containers.RepeatedScalarFieldContainer[int]
+    finish_steps_of: int
+    stop_hazard: float
+    def __init__(self, free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., lora_slots: _Optional[int] = ..., loading_adapters: _Optional[_Iterable[str]] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., finished_per_s: _Optional[float] = ..., lora_adapter_capacity: _Optional[int] = ..., finish_steps: _Optional[_Iterable[int]] = ..., finish_steps_of: _Optional[int] = ..., stop_hazard: _Optional[float] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "usage")

@@ -9,10 +9,12 @@ from benchmarks.gpu_stack import (
     compute_bound,
     fixed_specs,
     headline,
+    send_timeline,
     sharegpt_like_specs,
     work_flops,
 )
 from loadtest.datasets import RequestSpec
+from loadtest.records import RequestRecord
 from services.common.protocol.dummy_shapes import dummy_config
 
 
@@ -64,3 +66,27 @@ def test_step_time_percentiles_are_in_ms():
     stats = percentiles_ms([0.010] * 9 + [0.110])
     assert stats["p50"] == 10.0 and stats["max"] == 110.0 and stats["mean"] == 20.0
     assert percentiles_ms([]) == {}
+
+
+def test_the_timeline_groups_requests_by_the_second_they_were_sent():
+    records = []
+    for index, (sent, status, ttft) in enumerate(
+        [
+            (10.0, "OK", 0.1),
+            (10.5, "RESOURCE_EXHAUSTED", None),
+            (11.2, "OK", 0.3),
+            (11.9, "OK", 0.9),
+            (13.0, "RESOURCE_EXHAUSTED", None),
+        ]
+    ):
+        record = RequestRecord(index=index, scheduled_s=sent, sent_s=sent, status=status)
+        if ttft is not None:
+            record.chunk_times_s.append(sent + ttft)
+        records.append(record)
+    records.append(RequestRecord(index=9, scheduled_s=12.0))  # never sent: left out
+    rows = send_timeline(records)
+    assert [row["from_s"] for row in rows] == [0.0, 1.0, 3.0]
+    assert [(row["sent"], row["refused"]) for row in rows] == [(2, 1), (2, 0), (1, 1)]
+    assert rows[1]["ttft_p50_s"] == pytest.approx(0.6) and rows[1]["ttft_max_s"] == 0.9
+    assert rows[2]["ttft_p50_s"] is None
+    assert send_timeline([]) == []

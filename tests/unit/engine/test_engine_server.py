@@ -143,6 +143,13 @@ def test_info_and_greedy_generation_match_the_offline_engine() -> None:
                 assert update.usage.prompt_tokens == len(prompts[index])
                 assert session.tokens[f"r{index}"] == expected[index]
             assert all(step.HasField("load") for step in session.steps)
+            # the load says when the running sequences reach max_tokens (admission by time)
+            profiles = [tuple(step.load.finish_steps) for step in session.steps]
+            assert any(
+                step.load.finish_steps_of == len(prompts) and max(step.load.finish_steps) <= 5
+                for step in session.steps
+            ), profiles
+            assert session.steps[-1].load.finish_steps_of == 0
             session.send()  # an empty batch is harmless
             session.outbox.put_nowait(None)
             await wait_all_blocks_free(stub)

@@ -107,3 +107,48 @@ def test_step_cost_fit_charges_prefill_when_full_steps_cannot_tell_the_terms_apa
     cost = fit.cost()
     assert cost.per_prefill_token_ms > 0  # so a step-time target can cap the next steps
     assert cost.predict_ms(100, 8092) == pytest.approx(155.0, rel=1e-6)
+
+
+def test_stop_hazard_counts_early_ends_per_token_generated():
+    rates = StepRates(window_s=0.1, weight=1.0)
+    rates.record(0.1, prefill_tokens=0, decode_tokens=400, finished=6, stopped_early=2)
+    assert rates.stop_hazard == pytest.approx(2 / 400)
+    rates.record(0.1, prefill_tokens=0, decode_tokens=400, finished=3, stopped_early=0)
+    assert rates.stop_hazard == 0.0  # every finish at its limit: nothing ends early
+    rates.reset()
+    assert rates.stop_hazard == 0.0
+
+
+def test_engine_reports_when_its_running_sequences_reach_their_limits():
+    """The load's finish profile: steps until each running sequence has its max_tokens; a
+    request that ends on EOS counts as stopped early, one at its limit does not."""
+    from services.common.protocol import finish_profile
+    from services.common.protocol.sampling_params import SamplingParams
+    from services.engine.config import EngineConfig
+    from services.engine.llm_engine import LLMEngine
+    from tests.unit.engine.fake_runner import FakeModelRunner, reference_generate
+
+    runner = FakeModelRunner(vocab_size=300, num_blocks=256, block_size=4, max_model_len=256)
+    config = EngineConfig(model="fake", device="cpu", max_num_batched_tokens=512)
+    engine = LLMEngine(config, model_runner=runner)
+    engine.rates = StepRates(window_s=1e-9, weight=1.0)
+    assert engine.load().finish_steps == () and engine.load().finish_steps_of == 0
+    for index, max_tokens in enumerate((5, 9, 30, 12)):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"r{index}", [1, 2, 3, 4 + index], params)
+    engine.step()  # every prompt prefilled, one token each
+    load = engine.load()
+    assert load.finish_steps_of == 4
+    assert list(load.finish_steps) == [4, 8, 11, 29]
+    assert finish_profile.reached_by(load.finish_steps, 4, 8) == 2
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.rates.stop_hazard == 0.0  # all ended at max_tokens
+    assert engine.load().finish_steps_of == 0
+    prompt = [5, 6, 7]
+    stop = reference_generate(prompt, 3, 300)[2]  # the third token stops it
+    params = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop])
+    engine.add_request("stops", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.rates.stop_hazard > 0.0

@@ -178,3 +178,93 @@ def test_queue_counts_what_goes_ahead_per_priority():
     assert queue.ahead_of(1) == (3, 60)
     assert queue.ahead_of(9) == (4, 100)
     assert queue.ahead_of(-1) == (0, 0)  # a more urgent request skips the whole queue
+
+
+def profiled(steps, free_slots=0, step_s=0.02, hazard=0.0, finished=40.0) -> EngineLoadView:
+    from services.common.protocol import finish_profile
+
+    values, count = finish_profile.sample(steps)
+    return EngineLoadView(
+        free_slots,
+        0,
+        1e9,
+        finished,
+        finish_steps=values,
+        finish_steps_of=count,
+        step_s=step_s,
+        stop_hazard=hazard,
+        profiled=True,
+    )
+
+
+def test_a_wave_of_long_running_requests_holds_new_ones_off_whatever_the_finish_rate():
+    """256 requests of one length started within 40 steps of each other: the last wave finished
+    at 40/s, but the next slot frees only when this wave reaches its limits, 100+ steps on."""
+    wave = [100 + index % 40 for index in range(256)]
+    estimate = estimate_start_delay([profiled(wave)], 9, 0)
+    assert estimate.slot_wait_s > 100 * 0.02  # the first finish is 2 s away
+    assert estimate.slot_wait_s == pytest.approx((100 + 40 * 10 / 256) * 0.02, rel=0.03)
+    by_rate = estimate_start_delay([view(prefill=1e9)], 9, 0)
+    assert by_rate.slot_wait_s == pytest.approx(10 / 40.0)  # what a rate alone promises
+
+
+def test_spread_out_limits_free_slots_as_they_come():
+    staggered = list(range(1, 257))  # one sequence reaches its limit every step
+    estimate = estimate_start_delay([profiled(staggered, step_s=0.01)], 49, 0)
+    assert estimate.slot_wait_s == pytest.approx(50 * 0.01, rel=0.05)
+
+
+def test_early_stops_bring_the_wait_down_to_the_finish_rate():
+    """Long limits but a high chance of stopping each step: expected frees ~ rows x hazard a
+    step, as a finish rate of that size would say."""
+    far = [4000] * 256
+    assert estimate_start_delay([profiled(far)], 9, 0).slot_wait_s > 70.0  # limits only
+    stopping = estimate_start_delay([profiled(far, hazard=0.01)], 9, 0)
+    rate = 256 * 0.01 / 0.02  # 128 finishes a second
+    assert stopping.slot_wait_s == pytest.approx(10 / rate, rel=0.1)
+
+
+def test_engines_free_slots_together_and_past_the_last_limit_the_rate_counts():
+    one = profiled([50] * 100, step_s=0.02)  # frees 100 slots at 1.0 s
+    two = profiled([10] * 100, step_s=0.05)  # frees 100 slots at 0.5 s
+    assert estimate_start_delay([one, two], 99, 0).slot_wait_s == pytest.approx(0.5, rel=1e-3)
+    assert estimate_start_delay([one, two], 150, 0).slot_wait_s == pytest.approx(1.0, rel=1e-3)
+    beyond = estimate_start_delay([one, two], 239, 0)  # 40 more than both batches hold
+    assert beyond.slot_wait_s == pytest.approx(1.0 + 40 / 80.0)
+
+
+def test_an_engine_without_a_profile_leaves_the_estimate_to_the_finish_rate():
+    mixed = [profiled([100] * 64), view(prefill=1e9)]
+    assert estimate_start_delay(mixed, 9, 0).slot_wait_s == pytest.approx(10 / 80.0)
+
+
+def test_the_reported_profile_reaches_the_estimate():
+    """From the engine's load message: steps to each limit, the decode rate (a step's time is
+    the batch over it) and the hazard; sequences paused for slot turns turn it off."""
+    steps = engine_pb2.EngineLoad(
+        running=8,
+        finish_steps=[30, 30, 31, 31, 32, 32, 33, 33],
+        finish_steps_of=8,
+        decode_tokens_per_s=400.0,  # 8 rows: 50 steps a second
+        prefill_tokens_per_s=1e9,
+        finished_per_s=100.0,
+    )
+    engine = connection(inflight=8, max_num_seqs=8, load=steps)
+    seen = EngineLoadView.of_connection(engine)
+    assert seen.profiled and seen.step_s == pytest.approx(0.02) and seen.finish_steps_of == 8
+    with pytest.raises(ResourceExhaustedError, match="wait about 0.6s"):
+        QueueDelayGate(0.5).check([engine], 0, 0)  # the first limit is 30 steps = 0.6 s away
+    engine.capacity.engine_max_inflight = 32
+    engine.last_load = engine_pb2.EngineLoad(
+        running=20,
+        waiting=0,
+        finish_steps=[5] * 8,
+        finish_steps_of=8,
+        decode_tokens_per_s=400.0,
+        finished_per_s=10.0,
+    )  # 12 paused for a slot turn
+    assert not EngineLoadView.of_connection(engine).profiled
+    old = engine_pb2.EngineLoad(running=8, decode_tokens_per_s=400.0, finished_per_s=10.0)
+    engine.capacity.engine_max_inflight = 0
+    engine.last_load = old  # an engine that reports no profile
+    assert not EngineLoadView.of_connection(engine).profiled

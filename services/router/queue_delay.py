@@ -33,8 +33,10 @@ the free sequence slots; requests in its queue that go first, i.e. priority valu
 The estimate is the larger of the two (they overlap in time). Over `max_queue_delay_s` the
 request is refused with RESOURCE_EXHAUSTED and a retry-after of the excess (the time until the
 queue ahead has shrunk to the bound). Before an engine has measured a rate there is no basis
-for an estimate and nothing is refused on time (the count and token bounds still hold). Plain
-Python, no gRPC: unit-tested in milliseconds.
+for an estimate and nothing is refused on time (the count and token bounds still hold); nor
+while no request has finished yet: the limits are upper bounds, and how often sequences stop
+before them is not known until some have ended. Plain Python, no gRPC: unit-tested in
+milliseconds.
 """
 
 from __future__ import annotations
@@ -162,13 +164,10 @@ def estimate_start_delay(
     short = max(ahead_requests + waiting + 1 - free_slots, 0)
     slot_wait = 0.0
     if short:
-        profiled = profile_wait(views, short, finish_rate)
-        if profiled is not None:
-            slot_wait = profiled
-        elif finish_rate <= 0.0:
+        if finish_rate <= 0.0:  # nothing finished yet: no basis for the hazard either
             return None
-        else:
-            slot_wait = short / finish_rate
+        profiled = profile_wait(views, short, finish_rate)
+        slot_wait = short / finish_rate if profiled is None else profiled
     tokens = queued + max(ahead_prompt_tokens, 0)
     if tokens and prefill_rate <= 0.0:
         return None
@@ -184,9 +183,7 @@ def profile_wait(engines: list[EngineLoadView], slots: int, finish_rate: float) 
     running = sum(engine.finish_steps_of for engine in engines)
     last_s = max(engine.last_limit_s for engine in engines)
     if slots > running:  # more than the batches hold: the rest at the rate they finish
-        if finish_rate <= 0.0:
-            return None
-        return last_s + (slots - running) / finish_rate
+        return last_s + (slots - running) / finish_rate if finish_rate > 0.0 else None
     low, high = 0.0, last_s
     for _ in range(BISECTION_STEPS):
         middle = (low + high) / 2

@@ -234,6 +234,9 @@ def test_api_keys_and_a_full_queue(stack_factory, tmp_path: Path) -> None:
         router_args=(
             *("--http-port", str(port), "--api-keys-file", str(keys)),
             *("--max-queued-requests", "1", "--max-inflight-per-engine", "1"),
+            # the queued request waits for all 300 tokens of the running one: well past the
+            # default delay bound, which would refuse it; this test is about the count bound
+            *("--max-queue-delay-s", "120"),
         )
     )
     base = f"http://127.0.0.1:{port}/v1"

@@ -27,7 +27,12 @@ def generate(prompt: str = "Hello", **params) -> router_pb2.GenerateRequest:
 def test_queue_overflow_and_bad_requests(stack_factory) -> None:
     stack = stack_factory(
         model="dummy:tiny",
-        router_args=("--max-inflight-per-engine", "1", "--max-queued-requests", "1"),
+        # the delay bound off in effect: the queued request waits for the whole long one,
+        # and this test is about the count bound
+        router_args=(
+            *("--max-inflight-per-engine", "1", "--max-queued-requests", "1"),
+            *("--max-queue-delay-s", "600"),
+        ),
     )
     with grpc.insecure_channel(stack.router_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)

@@ -268,3 +268,12 @@ def test_the_reported_profile_reaches_the_estimate():
     engine.capacity.engine_max_inflight = 0
     engine.last_load = old  # an engine that reports no profile
     assert not EngineLoadView.of_connection(engine).profiled
+
+
+def test_no_finish_yet_means_no_basis_even_with_limits_far_away():
+    """Limits are upper bounds: until a request has finished, how often sequences stop before
+    theirs is unknown, so nothing is refused on time (a burst at start-up is not turned away
+    on the bound of max_tokens alone)."""
+    far = profiled([4000] * 256, finished=0.0)
+    assert estimate_start_delay([far], 9, 0) is None
+    assert estimate_start_delay([profiled([4000] * 256)], 9, 0).slot_wait_s > 70.0

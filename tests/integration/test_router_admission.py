@@ -2,11 +2,14 @@
 
 - A full queue answers RESOURCE_EXHAUSTED with a retry-after trailer within 50 ms (measured on
   the client), and the stack serves the next request normally.
+- A request that could start only when a long running one ends is refused at once, the wait
+  it is told near that request's remaining tokens at their pace.
 - Bad parameters and an over-long prompt answer INVALID_ARGUMENT; the stack keeps serving.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import threading
 import time
@@ -89,3 +92,45 @@ def test_queue_overflow_and_bad_requests(stack_factory) -> None:
         after = list(stub.Generate(generate(max_tokens=5), timeout=60))
         assert sum(len(r.token_ids) for r in after) == 5
         assert after[-1].usage.completion_tokens == 5
+
+
+def test_a_request_that_could_not_start_in_time_is_refused_with_the_wait_it_faces(
+    stack_factory,
+) -> None:
+    """One sequence slot, a request of 1,500 tokens running on the default model: a new one
+    would start when that ends, which the engine's finish profile tells the router (a finish
+    rate measured on short requests would promise a slot within a fraction of a second)."""
+    bound_s = 0.3
+    stack = stack_factory(
+        router_args=(*("--max-inflight-per-engine", "1", "--max-queue-delay-s", str(bound_s)),),
+    )
+    with grpc.insecure_channel(stack.router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        for _ in range(3):  # finished requests: the engine has a finish rate to report
+            list(stub.Generate(generate(max_tokens=4), timeout=60))
+        running = stub.Generate(generate(max_tokens=1500), timeout=300)
+        received = len(next(running).token_ids)
+        started, counted = time.monotonic(), received
+        while time.monotonic() - started < 0.8:  # the engine's rates fold in meanwhile
+            received += len(next(running).token_ids)
+        pace = (received - counted) / (time.monotonic() - started)
+        left_s = (1500 - received) / pace
+        assert left_s > 3 * bound_s, f"the long request ends too soon to test ({left_s:.2f}s)"
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(generate(max_tokens=3), timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        told = float(re.search(r"wait about ([0-9.]+)s", info.value.details()).group(1))
+        assert left_s / 2 < told < left_s * 2, (told, left_s)
+        trailers = dict(info.value.trailing_metadata() or ())
+        assert float(trailers["retry-after"]) >= 1.0
+        running.cancel()
+        deadline = time.monotonic() + 30
+        while True:  # the slot frees once the cancel has reached the engine
+            try:
+                after = list(stub.Generate(generate(max_tokens=5), timeout=60))
+                break
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() < deadline, "the slot never freed"
+                time.sleep(0.1)
+        assert sum(len(r.token_ids) for r in after) == 5

@@ -5,11 +5,11 @@ needs to know when batch slots free up. A rate of finishes says so only where fi
 spread out; requests with one output length that started together finish together, and in the
 gap between two such waves a rate from the last wave promises slots that free seconds later.
 Each running sequence has a hard bound: it ends at the latest after `max_tokens` minus the
-tokens it has (prompt + max_tokens never passes the model's length). The engine reports those bounds, in steps, sorted
-and sampled at evenly spaced ranks (at most `POINTS` values: the first, the last and ranks
-between), with the number of sequences they describe; the router reads the count that have
-reached their bound by a given step from it (`reached_by`), adding the sequences that end
-earlier on a stop token or abort at the engine's measured rate.
+tokens it has (prompt + max_tokens never passes the model's length). The engine reports those
+bounds, in steps, sorted and sampled at evenly spaced ranks (at most `POINTS` values: the
+first, the last and ranks between), with the number of sequences they describe; the router
+reads the count that have reached their bound by a given step from it (`reached_by`), adding
+the sequences that end earlier on a stop token or abort at the engine's measured rate.
 
 Shared by the engine (writes) and the router (reads), so both use one rank convention.
 """

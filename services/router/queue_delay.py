@@ -123,7 +123,7 @@ class EngineLoadView:
 
 def _profile_of(load: Any) -> dict[str, Any]:
     """The finish-profile fields of a reported load, or none where it cannot be used."""
-    count = int(getattr(load, "finish_steps_of", 0))
+    count = int(load.finish_steps_of)
     if count <= 0:  # profiled only when nothing runs (an older engine reports no profile)
         return {"profiled": True} if int(load.running) == 0 else {}
     decode_rate = float(load.decode_tokens_per_s)

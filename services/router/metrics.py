@@ -11,6 +11,9 @@ and streaming code and served by `services.common.metrics.start_metrics_server`.
   are listed in ``REJECT_REASONS`` (queue_full, rate_limited, invalid, unauthenticated,
   deadline, unavailable, not_found, too_long, ...); any short snake_case reason is accepted.
 - ``ROUTER_RUNNING_REQUESTS`` gauge `sluice_router_running_requests`: requests on an engine.
+- ``ROUTER_ESTIMATED_START_DELAY`` gauge `sluice_router_estimated_start_delay_seconds`: with
+  admission by time (`--max-queue-delay-s`), how long the last request checked would wait for
+  its prefill to start (queue_delay.py), admitted or refused.
 - ``ROUTER_STREAM_INTERVAL`` / ``ROUTER_STREAMED_TOKENS_PER_SECOND`` gauges: adaptive pacing.
 - ``ROUTER_FINISHED_REQUESTS`` counter `sluice_router_finished_requests_total{status}`: by final
   gRPC status name (OK, CANCELLED, ...).
@@ -66,6 +69,10 @@ ROUTER_REJECTED_REQUESTS = Counter(
 )
 ROUTER_RUNNING_REQUESTS = Gauge(
     "sluice_router_running_requests", "Requests placed on an engine and not yet finished."
+)
+ROUTER_ESTIMATED_START_DELAY = Gauge(
+    "sluice_router_estimated_start_delay_seconds",
+    "Seconds the last request checked by admission by time would wait for its prefill to start.",
 )
 ROUTER_STREAM_INTERVAL = Gauge(
     "sluice_router_stream_interval",

@@ -32,11 +32,12 @@ the free sequence slots; requests in its queue that go first, i.e. priority valu
 
 The estimate is the larger of the two (they overlap in time). Over `max_queue_delay_s` the
 request is refused with RESOURCE_EXHAUSTED and a retry-after of the excess (the time until the
-queue ahead has shrunk to the bound). Before an engine has measured a rate there is no basis
-for an estimate and nothing is refused on time (the count and token bounds still hold); nor
-while no request has finished yet: the limits are upper bounds, and how often sequences stop
-before them is not known until some have ended. Plain Python, no gRPC: unit-tested in
-milliseconds.
+queue ahead has shrunk to the bound); every estimate is the gauge
+`sluice_router_estimated_start_delay_seconds`. Before an engine has measured a rate there is
+no basis for an estimate and nothing is refused on time (the count and token bounds still
+hold); nor while no request has finished yet: the limits are upper bounds, and how often
+sequences stop before them is not known until some have ended. Plain Python, no gRPC:
+unit-tested in milliseconds.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Any
 
 from services.common.errors import ResourceExhaustedError
 from services.common.protocol import finish_profile
+from services.router import metrics
 
 MAX_RETRY_AFTER_S = 60.0
 
@@ -218,6 +220,8 @@ class QueueDelayGate:
             return
         estimate = estimate_start_delay(views, ahead_requests, ahead_prompt_tokens)
         self.last_estimate = estimate
+        if estimate is not None:
+            metrics.ROUTER_ESTIMATED_START_DELAY.set(estimate.delay_s)
         if estimate is None or estimate.delay_s <= self.max_delay_s:
             return
         self.refused += 1

@@ -67,6 +67,12 @@ def test_gate_refuses_with_a_retry_after_of_the_excess():
         gate.check([full], 49, 0)  # 5.0 s
     assert caught.value.retry_after_s == pytest.approx(3.0)
     assert gate.refused == 1 and gate.last_estimate.delay_s == pytest.approx(5.0)
+    from prometheus_client import REGISTRY
+
+    gauge = "sluice_router_estimated_start_delay_seconds"
+    assert REGISTRY.get_sample_value(gauge) == pytest.approx(5.0)  # what operators see
+    gate.check([full], 9, 0)
+    assert REGISTRY.get_sample_value(gauge) == pytest.approx(1.0)
 
 
 def test_gate_is_off_at_zero_and_without_reports():

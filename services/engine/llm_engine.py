@@ -402,7 +402,7 @@ class LLMEngine(OverlappedSteps):
     def _finish_profile(self) -> tuple[tuple[int, ...], int]:
         """Steps until each sequence of the running batch reaches its max_tokens, as a sampled
         profile (finish_profile.sample); prompt + max_tokens never passes the model's length
-        (add_request checks), so max_tokens is each one's limit. Taken every step (~45 us at
+        (add_request checks), so max_tokens is each one's limit. Taken every step (~40 us at
         512 sequences on a 2-vCPU host): a profile kept between steps would show sequences
         that have finished since as slots about to free."""
         running = self.scheduler.running

@@ -197,7 +197,7 @@ class EngineLoop:
             self._condition.notify()
 
     def wake(self) -> None:
-        """Run a turn now (an adapter load ended; called from the loader thread)."""
+        """Run a turn now (an adapter load ended; called from a loader thread)."""
         with self._condition:
             self._woken = True
             self._condition.notify()

@@ -245,10 +245,12 @@ class LLMEngine(OverlappedSteps):
         )
         bind(adapters)
         logger.info(
-            "LoRA adapters from %s: %d device slots, %d in host memory, rank <= %d, %s kernels",
+            "LoRA adapters from %s: %d device slots, %d in host memory (loaded by %d threads), "
+            "rank <= %d, %s kernels",
             lora_config.adapter_root,
             lora_config.max_loras,
             lora_config.max_cpu_loras,
+            lora_config.load_workers,
             lora_config.max_lora_rank,
             runner.lora_kernels,
         )
@@ -265,7 +267,7 @@ class LLMEngine(OverlappedSteps):
         return run_with_adapters
 
     def _adapter_loaded(self) -> None:
-        """On the loader thread: an adapter load ended; wake whoever waits for it."""
+        """On a loader thread: an adapter load ended; wake whoever waits for it."""
         self._adapter_load_done.set()
         callback = self.on_adapter_load_done
         if callback is not None:

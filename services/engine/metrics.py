@@ -9,6 +9,8 @@ No labels: each engine worker is its own process and serves its own `--metrics-p
 - ``ENGINE_PREFIX_CACHE_QUERIES`` / ``ENGINE_PREFIX_CACHE_HITS`` counters (in blocks; hit rate =
   hits / queries).
 - ``ENGINE_RESIDENT_ADAPTERS`` gauge: LoRA adapters loaded in slots.
+- ``ENGINE_ADAPTER_LOAD_TIME`` histogram `sluice_engine_adapter_load_seconds`: one adapter read
+  from disk, verified and laid out in host memory (a loader thread's work, off the step loop).
 - ``ENGINE_STEP_TIME`` histogram `sluice_engine_step_time_seconds`: one forward step.
 - ``ENGINE_GENERATED_TOKENS`` counter `sluice_engine_generated_tokens_total`.
 - ``ENGINE_PREEMPTIONS`` counter `sluice_engine_preemptions_total`.
@@ -40,6 +42,11 @@ ENGINE_PREFIX_CACHE_HITS = Counter(
 )
 ENGINE_RESIDENT_ADAPTERS = Gauge(
     "sluice_engine_resident_adapters", "LoRA adapters loaded in the engine's slots."
+)
+ENGINE_ADAPTER_LOAD_TIME = Histogram(
+    "sluice_engine_adapter_load_seconds",
+    "Time to read a LoRA adapter from disk, verify its checksum and lay it out in host memory.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 ENGINE_STEP_TIME = Histogram(
     "sluice_engine_step_time_seconds",

@@ -1,15 +1,16 @@
 """The engine's LoRA settings: one frozen, validated dataclass.
 
 The same fields sit in EngineConfig (flags `--max-loras`, `--max-cpu-loras`, `--max-lora-rank`,
-`--adapter-root`, `--lora-slot-quantum-ms`, `--lora-deterministic`, `--lora-fused-decode` and
-their `SLUICE_*`
-variables, with the help text there);
+`--adapter-root`, `--lora-slot-quantum-ms`, `--lora-load-workers`, `--lora-deterministic`,
+`--lora-fused-decode`, `--lora-fused-swiglu` and their `SLUICE_*` variables, with the help text
+there);
 `LoRAConfig.from_engine_config` takes them from it and validates them. Adapters are off until
 `adapter_root` is set: without it no slot memory is allocated and every adapter name is unknown.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_CPU_LORAS = 16
 DEFAULT_MAX_LORA_RANK = 64
 DEFAULT_SLOT_QUANTUM_MS = 100.0
+# Loads are CPU work (checksum, checks, layout): more threads than cores only contend.
+DEFAULT_LOAD_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class LoRAConfig:
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     adapter_root: str | None = None
     slot_quantum_ms: float = DEFAULT_SLOT_QUANTUM_MS  # 0: no time-slicing of device slots
+    # threads reading, verifying and laying out adapters from disk at once (off the step loop)
+    load_workers: int = DEFAULT_LOAD_WORKERS
     # GPU kernels: K splits summed in a fixed order (False: float atomics, order of finishing)
     deterministic: bool = True
     # CUDA fast path: decode steps of one adapter fold its LoRA into the base kernels (the
@@ -40,7 +45,7 @@ class LoRAConfig:
     fused_swiglu: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):
+        for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "load_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
@@ -74,6 +79,8 @@ class LoRAConfig:
         }
         if hasattr(config, "lora_slot_quantum_ms"):
             values["slot_quantum_ms"] = config.lora_slot_quantum_ms
+        if hasattr(config, "lora_load_workers"):
+            values["load_workers"] = config.lora_load_workers
         if hasattr(config, "lora_deterministic"):
             values["deterministic"] = config.lora_deterministic
         if hasattr(config, "lora_fused_decode"):

@@ -19,8 +19,9 @@ gate the scheduler asks. The engine's calls, in order of a request's life:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from services.engine.lora.runtime import LoRARuntime
 from services.engine.lora.slots import LoRASlots, SlotWrite
 from services.engine.lora.weights import AdapterWeights, stack_layers
 from services.engine.lora.wrap import attach_lora
+from services.engine.metrics import ENGINE_ADAPTER_LOAD_TIME
 from services.engine.models.config import ModelConfig
 
 # In flight per place in a step's batch when slots are time-sliced (inflight_capacity).
@@ -79,7 +81,8 @@ class EngineAdapters:
             max_cpu_loras=config.max_cpu_loras,
             load=self._load,
             write_slot=self._write_slot,
-            executor=executor,
+            executor=executor
+            or ThreadPoolExecutor(config.load_workers, thread_name_prefix="lora-load"),
             on_load_done=on_load_done,
         )
         self.gate = AdapterGate(self.manager, slot_quantum_s=config.slot_quantum_ms / 1000.0)
@@ -179,7 +182,8 @@ class EngineAdapters:
         return self.slots.write(slot, weights, asynchronous=True, after=after)
 
     def _load(self, record: AdapterRecord) -> AdapterWeights:
-        """On the loader thread: read, verify and lay out; pinned host memory for a GPU."""
+        """On a loader thread: read, verify and lay out; pinned host memory for a GPU."""
+        started = time.perf_counter()
         weights = load_registered_adapter(
             record.name,
             record.path,
@@ -189,6 +193,7 @@ class EngineAdapters:
             max_rank=self.config.max_lora_rank,
             dtype=self.dtype,
         )
-        if self.device.type != "cuda":
-            return weights
-        return stack_layers(weights, pin=True)
+        if self.device.type == "cuda":
+            weights = stack_layers(weights, pin=True)
+        ENGINE_ADAPTER_LOAD_TIME.observe(time.perf_counter() - started)
+        return weights

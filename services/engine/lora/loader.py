@@ -5,7 +5,7 @@ Every tensor name must be one of `base_model.model.model.layers.N.{self_attn|mlp
 B [out, r]), ranks the config (and its rank_pattern), values must be finite. Embedding or LM-head
 tensors, DoRA magnitudes and anything else are refused (INVALID_ARGUMENT) with the reason. The
 safetensors bytes are parsed from memory: the checksum covers exactly what is loaded. Runs on the
-adapter manager's loader thread, never on the step loop. `inspect_adapter` does the same checks
+adapter manager's loader threads, never on the step loop. `inspect_adapter` does the same checks
 once at registration (a bad adapter is refused then, never at a request's first token) and
 returns the AdapterRecord with the files' SHA-256.
 """

@@ -64,7 +64,7 @@ class AdapterManager:
         on_load_done: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`on_load_done` is called on the loader thread when a load ends (success or not):
+        """`on_load_done` is called on a loader thread when a load ends (success or not):
         an engine loop idle only because of loads in flight can wake on it and poll."""
         if max_loras < 1 or max_cpu_loras < max_loras:
             raise ValueError("need 1 <= max_loras <= max_cpu_loras")

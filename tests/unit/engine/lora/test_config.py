@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -174,3 +176,16 @@ def test_the_warm_up_compiles_the_expand_both_adding_and_writing() -> None:
     assert sorted(set(expands)) == [(1, False), (1, True), (40, False), (40, True),
                                     (64, False), (64, True)]  # fmt: skip
     assert runtime.batch.is_empty
+
+
+def test_the_load_workers_flag_reaches_the_lora_config_and_zero_is_refused() -> None:
+    from services.engine.worker_config import WorkerConfig
+
+    default = LoRAConfig.from_engine_config(EngineConfig()).load_workers
+    assert default == max(1, min(4, os.cpu_count() or 1))
+    engine = WorkerConfig.from_argv(["--lora-load-workers", "2"]).engine
+    assert LoRAConfig.from_engine_config(engine).load_workers == 2
+    with pytest.raises(InvalidArgumentError, match="load_workers must be an integer >= 1"):
+        LoRAConfig(load_workers=0)
+    with pytest.raises(InvalidArgumentError, match="load_workers must be an integer >= 1"):
+        EngineConfig(lora_load_workers=0)

@@ -131,3 +131,58 @@ def test_adapters_in_flight_on_two_slots_match_peft(tmp_path: Path) -> None:
         changed += expected != _greedy(base, seq.prompt_token_ids, MAX_TOKENS)
     assert changed >= 4
     assert adapters.gate.num_held == 0 and len(adapters.resident()) <= 2
+
+
+def test_adapters_not_in_memory_load_side_by_side(tmp_path: Path, monkeypatch) -> None:
+    """With `load_workers` 3, three adapters wanted at once are read on three threads at the
+    same time: each load waits at a barrier for the other two (one loader thread would leave
+    the barrier broken and the loads failed), and all three reach the host cache."""
+    from services.engine.lora import engine_adapters
+    from services.engine.metrics import ENGINE_ADAPTER_LOAD_TIME
+
+    base = save_random_model(hf_config("llama"), tmp_path / "base")
+    root = tmp_path / "adapters"
+    names = ["q-v-r4", "all-r2", "o-r1"]
+    for index, name in enumerate(names):
+        save_peft_adapter(base, root / name, seed=index + 1, **ADAPTERS[name])
+    barrier = threading.Barrier(len(names), timeout=10)
+    real_load = engine_adapters.load_registered_adapter
+
+    def load_when_all_are_loading(*args, **kwargs):
+        barrier.wait()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(engine_adapters, "load_registered_adapter", load_when_all_are_loading)
+    runner = CpuModelRunner(
+        files_for(tmp_path / "base"), dtype=torch.float32, block_size=4, kv_cache_bytes=1 << 20
+    )
+    config = LoRAConfig(
+        max_loras=1, max_cpu_loras=4, max_lora_rank=8, adapter_root=str(root), load_workers=3
+    )
+    adapters = EngineAdapters(config, runner.model_config, dtype=torch.float32, device="cpu")
+    observed_before = _histogram_count(ENGINE_ADAPTER_LOAD_TIME)
+    records = []
+    for name in names:
+        record = adapters.inspect(name, name)
+        adapters.register(record)
+        records.append(adapters.manager.hold(name))
+    try:
+        assert adapters.manager.poll() == []
+        assert adapters.manager.num_loading == len(names)
+        deadline = time.monotonic() + 30
+        while adapters.manager.num_loading and time.monotonic() < deadline:
+            assert adapters.manager.poll() == []
+            time.sleep(0.01)
+        assert all(adapters.manager.ready(record) for record in records)
+        assert adapters.manager.num_loads == len(names)
+        assert _histogram_count(ENGINE_ADAPTER_LOAD_TIME) == observed_before + len(names)
+    finally:
+        adapters.shutdown()
+
+
+def _histogram_count(histogram) -> float:
+    for metric in histogram.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count"):
+                return sample.value
+    return 0.0

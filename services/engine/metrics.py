@@ -4,7 +4,8 @@ Module-level objects in prometheus_client's default registry, set after every lo
 `server_metrics.MetricsRecorder` and served by `services.common.metrics.start_metrics_server`.
 No labels: each engine worker is its own process and serves its own `--metrics-port`.
 
-- ``ENGINE_RUNNING_SEQUENCES`` / ``ENGINE_WAITING_SEQUENCES`` gauges.
+- ``ENGINE_RUNNING_SEQUENCES`` / ``ENGINE_WAITING_SEQUENCES`` gauges; ``ENGINE_PAUSED_SEQUENCES``:
+  of the running ones, those paused for a LoRA slot turn (out of the batch, KV kept).
 - ``ENGINE_KV_BLOCKS_USED`` / ``ENGINE_KV_BLOCKS_FREE`` gauges.
 - ``ENGINE_PREFIX_CACHE_QUERIES`` / ``ENGINE_PREFIX_CACHE_HITS`` counters (in blocks; hit rate =
   hits / queries).
@@ -29,6 +30,11 @@ ENGINE_RUNNING_SEQUENCES = Gauge(
 )
 ENGINE_WAITING_SEQUENCES = Gauge(
     "sluice_engine_waiting_sequences", "Sequences waiting in the engine's scheduler."
+)
+ENGINE_PAUSED_SEQUENCES = Gauge(
+    "sluice_engine_paused_sequences",
+    "Running sequences paused for a LoRA slot turn (out of the batch, KV blocks kept); "
+    "counted in sluice_engine_running_sequences too.",
 )
 ENGINE_KV_BLOCKS_USED = Gauge("sluice_engine_kv_blocks_used", "KV cache blocks held by sequences.")
 ENGINE_KV_BLOCKS_FREE = Gauge("sluice_engine_kv_blocks_free", "KV cache blocks free to allocate.")

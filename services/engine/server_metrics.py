@@ -25,6 +25,8 @@ class MetricsRecorder:
         load = output.load
         metrics.ENGINE_RUNNING_SEQUENCES.set(load.running)
         metrics.ENGINE_WAITING_SEQUENCES.set(load.waiting)
+        scheduler = getattr(self._engine, "scheduler", None)
+        metrics.ENGINE_PAUSED_SEQUENCES.set(len(getattr(scheduler, "paused", ())))
         metrics.ENGINE_KV_BLOCKS_FREE.set(load.free_blocks)
         metrics.ENGINE_KV_BLOCKS_USED.set(load.total_blocks - load.free_blocks)
         metrics.ENGINE_RESIDENT_ADAPTERS.set(len(load.resident_adapters))

@@ -33,3 +33,24 @@ def test_values_set_by_the_engine_appear_in_the_exposition() -> None:
     assert found[("sluice_engine_kv_blocks_free", ())] == 123
     assert found[("sluice_engine_prefix_cache_hits_total", ())] == before + 2
     assert found[("sluice_engine_step_time_seconds_bucket", (("le", "0.005"),))] >= 1
+
+
+def test_the_recorder_sets_paused_sequences_from_the_scheduler() -> None:
+    """Sequences paused for a LoRA slot turn show as their own gauge beside running (which
+    counts them too), so an operator sees slot pressure; an engine without a scheduler's
+    paused list (another runner's engine) reads 0."""
+    from types import SimpleNamespace
+
+    from services.engine.server_metrics import MetricsRecorder
+
+    load = SimpleNamespace(
+        running=5, waiting=2, free_blocks=10, total_blocks=40, resident_adapters=("a",)
+    )
+    output = SimpleNamespace(load=load, num_batched_tokens=0, deltas=[])
+    engine = SimpleNamespace(scheduler=SimpleNamespace(paused=[object(), object(), object()]))
+    MetricsRecorder(engine).record(output)
+    found = _samples()
+    assert found[("sluice_engine_paused_sequences", ())] == 3
+    assert found[("sluice_engine_running_sequences", ())] == 5
+    MetricsRecorder(SimpleNamespace()).record(output)
+    assert _samples()[("sluice_engine_paused_sequences", ())] == 0

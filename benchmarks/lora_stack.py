@@ -371,7 +371,7 @@ def _ratio(value: float | None, base: float | None) -> float | None:
 
 def _engine_log_lines(log_dir: Path) -> list[str]:
     keys = ("step limits", "warmed", "LoRA", "adapter", "CUDA fast path", "engine stats",
-            "Traceback", "Error")  # fmt: skip
+            "warm-up did not cover", "Traceback", "Error")  # fmt: skip
     lines = []
     for path in sorted(log_dir.glob("*/engine*.log")):  # the last lines of each stack's engine
         with contextlib.suppress(OSError):

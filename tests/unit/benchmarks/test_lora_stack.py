@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.lora_stack import headline
+from pathlib import Path
+
+from benchmarks.lora_stack import _engine_log_lines, headline
 
 
 def _phase(output_tok_s: float, ttft_p99_ms: float, errors: dict | None = None) -> dict:
@@ -81,3 +83,18 @@ def test_every_lora_phase_is_compared_with_the_base_and_says_its_flags() -> None
         ("lora_poisson", "", 0.8, 4.0),
         ("lora_poisson_ab_1", "--lora-fused-swiglu", 0.7, 3.0),
     ]  # fmt: skip
+
+
+def test_the_report_keeps_kernel_variants_compiled_while_serving(tmp_path: Path) -> None:
+    """A variant the warm-up missed stalls a serving step; its warning reaches the report."""
+    stack = tmp_path / "lora"
+    stack.mkdir()
+    (stack / "engine-0.log").write_text(
+        "INFO engine stats over 10.0s: 20 steps/s\n"
+        "DEBUG something else\n"
+        "WARNING compiling a kernel variant the warm-up did not cover (a request's step "
+        "waits): lora_expand\n"
+    )
+    lines = _engine_log_lines(tmp_path)
+    assert len(lines) == 2 and lines[0].startswith("lora: INFO engine stats")
+    assert "lora_expand" in lines[1]

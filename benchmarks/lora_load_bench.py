@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -118,6 +119,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of counts: {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.lora_load_bench",
@@ -129,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank", type=int, default=16, help="rank of every adapter")
     parser.add_argument(
         "--workers",
-        type=lambda text: [int(part) for part in text.split(",")],
+        type=_counts,
         default=[1, 2, 4],
         help="comma-separated loader thread counts; the first is the baseline",
     )
@@ -145,11 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.adapters < 1 or args.repeats < 1 or min(args.workers) < 1:
-        build_parser().error("--adapters, --repeats and every --workers must be >= 1")
+        parser.error("--adapters, --repeats and every --workers must be >= 1")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     report = run(args)
     text = json.dumps(report, indent=1)

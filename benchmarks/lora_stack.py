@@ -69,9 +69,10 @@ DRAIN_ALLOWANCE_S = 5.0  # beyond output_len x TPOT after the last arrival
 LORA_EXTRA_DRAIN_S = 20.0  # kept for requests of rare adapters still queued at the end
 STOP_ALLOWANCE_S = 15.0
 RESTART_ALLOWANCE_S = 10.0  # beyond the first start, for the second stack's registration
-# Registration (~0.2 s: read and hashed) and warm-up (~0.6 s: read, checked, hashed, pinned)
-# of each adapter on a LoRA stack's start, measured on an H200 host.
-WARM_S_PER_ADAPTER = 0.9
+# Registration (~0.2 s: read and hashed) and warm-up (~0.25-0.3 s: read, checked, hashed,
+# pinned on the engine's loader threads) of each adapter on a LoRA stack's start, measured on
+# H100 and H200 hosts.
+WARM_S_PER_ADAPTER = 0.6
 
 
 def _time_left(deadline: float) -> float:

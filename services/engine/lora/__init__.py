@@ -1,7 +1,8 @@
 """Multi-LoRA serving inside the engine: adapters by name, mixed-adapter batches in one forward.
 
 Modules, from the files on disk to the math:
-- config: LoRAConfig (max_loras, max_cpu_loras, max_lora_rank, adapter_root).
+- config: LoRAConfig (slots, host cache, rank limit, adapter root, time-slicing, loader
+  threads, GPU kernel options).
 - paths: an adapter path must resolve under adapter_root; SHA-256 of the files.
 - peft_config: adapter_config.json parsed and checked (what is refused, and why).
 - projections: the seven PEFT modules as slices of the engine's four fused projections.

@@ -46,6 +46,7 @@ from services.engine.lora.config import LoRAConfig
 from services.engine.lora.engine_adapters import EngineAdapters
 from services.engine.lora.gate import AdapterGate
 from services.engine.lora.manager import AdapterManager
+from services.engine.swap_space import HostBlocks
 
 
 class Clock:
@@ -150,6 +151,18 @@ def build_engine(args: argparse.Namespace, clock: Clock, *, lora: bool) -> LLMEn
         stats_log_interval_s=0,
     )
     engine = Engine(config, model_runner=runner)
+    if lora and args.swap_blocks:
+        # Swap space for paused sequences' KV: the real scheduler's moves, each block's copy
+        # charged to the device clock (the engine issues them on the step's stream).
+        scheduler = engine.scheduler
+        scheduler.host_blocks = HostBlocks(args.swap_blocks)
+
+        def copies(plan: Any) -> None:
+            moved = sum(len(blocks) for blocks, _ in plan.swap_out)
+            moved += sum(len(blocks) for _, blocks in plan.swap_in)
+            clock.now += moved * args.swap_us_per_block / 1e6
+
+        scheduler.on_swaps = copies
     if lora:
         for index in range(args.adapters):
             name = f"adapter-{index}"
@@ -178,7 +191,7 @@ def run_phase(
     done = [float("nan")] * count
     sent = [0.0] * count
     next_index = live = 0
-    running = paused = waiting = used = steps = 0
+    running = paused = swapped = waiting = used = steps = 0
     total_blocks = args.num_blocks
 
     def submit(index: int) -> None:
@@ -205,6 +218,7 @@ def run_phase(
         scheduler = engine.scheduler
         running += len(scheduler.running)
         paused += len(scheduler.paused)
+        swapped += scheduler.num_swapped
         waiting += scheduler.num_waiting
         used += total_blocks - engine.scheduler.block_manager.num_free_blocks
         for delta in output.deltas:
@@ -244,6 +258,8 @@ def run_phase(
         manager = engine.adapters.manager
         result["slot_writes_per_s"] = round(manager.num_slot_writes / span, 1)
         result["pauses_per_s"] = round(engine.scheduler.num_pauses / span, 1)
+        result["swap_outs"] = engine.scheduler.num_swap_outs
+        result["mean_swapped"] = round(swapped / steps, 1)
     return result
 
 
@@ -308,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lora-factor", type=float, default=1.2, help="model: a step with adapters, × base")
     add("--lora-adapter-ms", type=float, default=0.03, help="model: per adapter in a step")
     add("--write-ms", type=float, default=3.0, help="a slot write's copy time")
+    add("--swap-blocks", type=int, default=0, help="host swap space for paused KV, blocks")
+    add(
+        "--swap-us-per-block",
+        type=float,
+        default=40.0,
+        help="model: one KV block's copy to or from host memory (2 MB at ~50 GB/s)",
+    )
     add("--seed", type=int, default=0, help="arrivals, prompts and adapter draw")
     add("--out", default=None, help="also write the report here")
     return parser

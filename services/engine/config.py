@@ -63,6 +63,14 @@ class EngineConfig:
     gpu_memory_utilization: float = field(
         0.85, help="fraction of GPU memory the engine may use (weights + KV cache)"
     )
+    swap_space_gib: float | None = field(
+        None,
+        help="GiB of host memory (pinned on a GPU) for the KV blocks of sequences paused for a "
+        "LoRA slot turn: when the KV cache runs short, paused sequences move there instead of "
+        "holding device blocks or being recomputed, and come back when their adapter has a slot "
+        "(services/engine/kv_swap.py); default: 16 GiB, at most an eighth of the host's memory, "
+        "on a GPU with time-sliced LoRA slots, else 0 (off)",
+    )
     max_num_seqs: int | None = field(
         None,
         help="most sequences in one forward step (default: 256 on CPU; on CUDA sized from the "
@@ -213,6 +221,8 @@ class EngineConfig:
             raise InvalidArgumentError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes is not None:
             _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+        if self.swap_space_gib is not None:
+            _off_or_positive("swap_space_gib", self.swap_space_gib)
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)):
             raise InvalidArgumentError("gpu_memory_utilization must be a number")

@@ -57,10 +57,12 @@ from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from services.engine.sequence import Sequence
 from services.engine.step_budget import build_step_budget
 from services.engine.step_stats import QueueState, StepStats
+from services.engine.swap_space import GIB, HostBlocks, default_swap_space_gib
 from services.engine.warmup import WarmupReport, plan_warmup, warm_up
 
 if TYPE_CHECKING:  # the runner modules import torch; the engine's policy code does not
     from services.common.model_files import ModelFiles
+    from services.engine.kv_swap import KVSwapper
     from services.engine.lora.engine_adapters import EngineAdapters
     from services.engine.model_runner import ModelRunner, PendingTokens
 
@@ -136,6 +138,7 @@ class LLMEngine(OverlappedSteps):
         self.adapters: EngineAdapters | None = None
         if lora_config.enabled:
             self.adapters = self._build_adapters(lora_config, config, model_runner)
+        self.kv_swap = self._build_swap(config, lora_config, model_runner)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -145,7 +148,10 @@ class LLMEngine(OverlappedSteps):
             self.block_manager,
             adapter_slots=self.adapters.gate if self.adapters is not None else None,
             prefill_budget=build_step_budget(config, lambda: self.rates.step_cost()),
+            host_blocks=HostBlocks(self.kv_swap.num_blocks) if self.kv_swap is not None else None,
         )
+        if self.kv_swap is not None:
+            self.scheduler.on_swaps = self.kv_swap.apply
         eos = tuple(int(token) for token in model_config.eos_token_ids)
         self.sampler = Sampler(eos, seed=config.seed)
         # What the runner declares it can do decides the step paths; None: not taken.
@@ -255,6 +261,46 @@ class LLMEngine(OverlappedSteps):
             runner.lora_kernels,
         )
         return adapters
+
+    def _build_swap(
+        self, config: EngineConfig, lora_config: LoRAConfig, runner: ModelRunner
+    ) -> KVSwapper | None:
+        """Host swap space for paused sequences' KV (`swap_space_gib`), or None."""
+        time_sliced = lora_config.enabled and lora_config.slot_quantum_ms > 0
+        device = str(runner.device).partition(":")[0]
+        gib = config.swap_space_gib
+        if gib is None:
+            gib = default_swap_space_gib(device_type=device, time_sliced=time_sliced)
+        if gib <= 0:
+            return None
+        if not time_sliced:
+            logger.info(
+                "swap space unused: only sequences paused for a LoRA slot turn are swapped "
+                "out (adapters off or lora_slot_quantum_ms 0)"
+            )
+            return None
+        cache = getattr(runner, "kv_cache", None)
+        if cache is None:
+            logger.info("swap space unused: the %s runner keeps no KV tensors here", device)
+            return None
+        from services.engine.kv_swap import KVSwapper
+
+        per_block = sum(k.nbytes + v.nbytes for k, v in cache.layers) // cache.num_blocks
+        num_blocks = int(gib * GIB) // per_block
+        if num_blocks < 1:
+            return None
+        started = time.perf_counter()
+        swapper = KVSwapper(cache.layers, num_blocks)
+        logger.info(
+            "KV swap space for paused sequences: %d blocks (%.1f GiB of %s host memory, "
+            "%d tokens) in %.1fs",
+            num_blocks,
+            swapper.nbytes / GIB,
+            "pinned" if device == "cuda" else "plain",
+            num_blocks * cache.block_size,
+            time.perf_counter() - started,
+        )
+        return swapper
 
     def _with_adapters(self, run: Callable[[ScheduledBatch], Any]) -> Callable[..., Any]:
         """`run` preceded by telling the LoRA runtime which rows use which slot."""
@@ -425,6 +471,8 @@ class LLMEngine(OverlappedSteps):
             total_blocks=blocks.num_blocks,
             slot_writes=adapters.manager.num_slot_writes if adapters is not None else 0,
             pauses=scheduler.num_pauses,
+            swapped=scheduler.num_swapped if scheduler.host_blocks is not None else -1,
+            swap_outs=scheduler.num_swap_outs,
             resident_adapters=len(adapters.resident()) if adapters is not None else -1,
             plain_step_reasons=(
                 dict(self.plain_step_reasons) if self._launch_greedy is not None else None

@@ -13,8 +13,13 @@ With LoRA adapters, a waiting sequence is admitted only once its adapter has a d
 slot time-slicing, when an adapter waits for a slot that running sequences have held for a
 quantum (`AdapterSlots.slots_to_yield`), those sequences are paused: out of the batch, slot
 unpinned, KV kept; they resume (after this step's admissions) once their adapter has a slot
-again, and are the first preempted when KV blocks run out (for a waiting request, only those
-of lower rank than it).
+again, and are the first to give their blocks back when KV blocks run out. With swap space
+(`HostBlocks`, services/engine/swap_space.py) a paused sequence's blocks move to host memory
+(`SchedulerOutput.swap_out`, copied by services/engine/kv_swap.py before the step runs) and
+come back when it resumes (`swap_in`): a waiting request of any rank may push paused sequences
+out that way, and a swapped-out sequence whose adapter has its slot again keeps the blocks it
+needs from admissions until it is back. Without room there, a paused sequence is preempted
+by recompute (for a waiting request, only one of lower rank than it).
 With a step-time target (a `PrefillBudget`, services/engine/step_budget.py), the prompt tokens
 of a step (running chunked prefills and admissions together) are further capped by what the
 budget allows beside the step's decodes; without one, only the token budget counts.
@@ -23,7 +28,7 @@ budget allows beside the step's decodes; without one, only the token budget coun
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Set
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
@@ -32,6 +37,7 @@ from services.common.errors import ResourceExhaustedError
 from services.engine.block_manager import BlockManager
 from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
 from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.swap_space import HostBlocks
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,14 @@ class SchedulerOutput:
     batch: ScheduledBatch
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # KV copies to make before this step runs: (device blocks, first host block) of each
+    # sequence swapped out, (first host block, device blocks) of each one swapped back in.
+    swap_out: list[tuple[list[int], int]] = field(default_factory=list)
+    swap_in: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.swap_out or self.swap_in)
 
     @property
     def is_empty(self) -> bool:
@@ -80,6 +94,10 @@ class AdapterSlots(Protocol):
         get its adapter's slot."""
         ...
 
+    def could_acquire(self, seq: Sequence) -> bool:
+        """Whether `acquire(seq)` could pin its adapter's slot now (changes nothing)."""
+        ...
+
 
 class PrefillBudget(Protocol):
     """A step-time target as the scheduler sees it (services/engine/step_budget.py)."""
@@ -107,11 +125,13 @@ class Scheduler:
         block_manager: BlockManager,
         adapter_slots: AdapterSlots | None = None,
         prefill_budget: PrefillBudget | None = None,
+        host_blocks: HostBlocks | None = None,
     ):
         self.config = config
         self.block_manager = block_manager
         self.adapter_slots = adapter_slots
         self.prefill_budget = prefill_budget
+        self.host_blocks = host_blocks  # swap space for paused sequences' KV (None: none)
         self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []  # heap by rank
         self.running: list[Sequence] = []
         self.paused: list[Sequence] = []  # running, KV kept, out of the batch: no adapter slot
@@ -119,6 +139,14 @@ class Scheduler:
         self._planning_ahead = False  # the schedule in progress was called with `hold`
         self.num_preemptions = 0
         self.num_pauses = 0
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+        # Device blocks the highest-ranked swapped-out sequence able to resume lacked at the
+        # last schedule: admissions leave them free, so it comes back before newer requests.
+        self._swap_in_reserve = 0
+        # Called with each plan that moves KV blocks, before it is returned (the engine's copies:
+        # services/engine/kv_swap.py), so they are issued ahead of the step it launches.
+        self.on_swaps: Callable[[SchedulerOutput], None] | None = None
         self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
 
     # ---- requests -------------------------------------------------------------------------
@@ -150,6 +178,7 @@ class Scheduler:
         if self.adapter_slots is not None and seq.status is not SequenceStatus.FINISHED:
             self.adapter_slots.drop(seq)
         self.block_manager.free(seq)
+        self._free_host_extent(seq)
         seq.status = SequenceStatus.FINISHED
 
     @property
@@ -160,6 +189,11 @@ class Scheduler:
     def resumed_last(self) -> bool:
         """Whether the last schedule resumed paused sequences (they run from the next one)."""
         return bool(self._resumed)
+
+    @property
+    def num_swapped(self) -> int:
+        """Paused sequences whose KV blocks are in host memory."""
+        return sum(seq.host_extent is not None for seq in self.paused)
 
     @property
     def num_running(self) -> int:
@@ -240,7 +274,9 @@ class Scheduler:
                 while not self.block_manager.allocate(seq, needed_slots):
                     paused = self._preemptible_paused()
                     if paused:  # paused sequences give their blocks back first
-                        self._preempt(max(paused, key=_rank), output)
+                        victim = self._paused_victim(paused)
+                        if not self._swap_out(victim, output):
+                            self._preempt(victim, output)
                         continue
                     if self._planning_ahead:  # no preemption: it sits this step out
                         break
@@ -275,7 +311,7 @@ class Scheduler:
                 budget = min(budget, prefill_left)
             self._admit(budget, prefills, output)
         if rotate and self.paused:
-            self._resume_paused()
+            self._resume_paused(output)
 
         # One-token steps of sequences with cached tokens (decodes, and prompts whose prefix
         # came from the cache or a previous chunk) go first: the runner relies on that order.
@@ -297,6 +333,8 @@ class Scheduler:
                 )
             )
         output.scheduled = planned
+        if self.on_swaps is not None and output.has_swaps:
+            self.on_swaps(output)
         return output
 
     def _prefill_left(self, decode_rows: int, budget: int) -> int:
@@ -323,12 +361,14 @@ class Scheduler:
                     seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             needed = manager.num_new_blocks(seq, seq.num_computed_tokens + num_tokens)
-            reserve = self._watermark_blocks if self.running else 0
+            reserve = (self._watermark_blocks if self.running else 0) + self._swap_in_reserve
             while needed + reserve > manager.num_free_blocks:
                 paused = self._preemptible_paused()
                 if not paused:
                     break
-                victim = max(paused, key=_rank)  # paused KV of lower rank goes first
+                victim = self._paused_victim(paused)  # paused KV of lower rank goes first
+                if self._swap_out(victim, output):
+                    continue  # no work lost: any rank's blocks may go to host memory
                 if _rank(victim) <= _rank(seq):
                     break
                 self._preempt(victim, output, requeue=False)
@@ -353,11 +393,57 @@ class Scheduler:
             heapq.heappush(self.waiting, entry)
 
     def _preemptible_paused(self) -> list[Sequence]:
-        """Paused sequences that may give their blocks back now (planning ahead: only those
-        whose tokens are all known; one paused by this very plan has its token pending)."""
+        """Paused sequences that may give their device blocks back now: those holding some
+        (not swapped out) and, planning ahead, whose tokens are all known (one paused by this
+        very plan has its token pending)."""
         if not self._planning_ahead:
-            return self.paused
-        return [seq for seq in self.paused if not seq.num_pending_tokens]
+            return [seq for seq in self.paused if seq.block_table]
+        return [seq for seq in self.paused if seq.block_table and not seq.num_pending_tokens]
+
+    def _paused_victim(self, paused: list[Sequence]) -> Sequence:
+        """The paused sequence to give its device blocks back: the lowest-ranked one; with
+        swap space, among those whose adapter could not have its slot now where there are
+        any (the others may resume at this very schedule, and would only come back in)."""
+        if self.host_blocks is not None and self.adapter_slots is not None:
+            could_acquire = self.adapter_slots.could_acquire
+            idle = [seq for seq in paused if not could_acquire(seq)]
+            if idle:
+                return max(idle, key=_rank)
+        return max(paused, key=_rank)
+
+    def _swap_out(self, seq: Sequence, output: SchedulerOutput) -> bool:
+        """Move a paused sequence's KV blocks to host memory; False where there is no swap
+        space, no extent long enough, or a token of it still pending."""
+        if self.host_blocks is None or not seq.block_table or seq.num_pending_tokens:
+            return False
+        count = len(seq.block_table)
+        start = self.host_blocks.allocate(count)
+        if start is None:
+            return False
+        output.swap_out.append((list(seq.block_table), start))
+        self.block_manager.free(seq)  # num_computed_tokens stays: the KV is only elsewhere
+        seq.host_extent = (start, count)
+        self.num_swap_outs += 1
+        return True
+
+    def _swap_in(self, seq: Sequence, output: SchedulerOutput) -> bool:
+        """Give a swapped-out sequence device blocks again and plan the copy back; False
+        where the cache lacks them (beyond the admission watermark)."""
+        start, count = seq.host_extent
+        manager = self.block_manager
+        reserve = self._watermark_blocks if self.running else 0
+        if count + reserve > manager.num_free_blocks:
+            return False
+        manager.allocate(seq, count * manager.block_size)
+        output.swap_in.append((start, list(seq.block_table)))
+        self._free_host_extent(seq)
+        self.num_swap_ins += 1
+        return True
+
+    def _free_host_extent(self, seq: Sequence) -> None:
+        if seq.host_extent is not None:
+            self.host_blocks.free(*seq.host_extent)
+            seq.host_extent = None
 
     def _pause_yielding_slots(self) -> None:
         """Pause the running sequences of the slots that must change hands."""
@@ -373,19 +459,28 @@ class Scheduler:
             self.paused.append(seq)
             self.num_pauses += 1
 
-    def _resume_paused(self) -> None:
-        """Paused sequences whose adapter can have a slot again run from the next step on."""
+    def _resume_paused(self, output: SchedulerOutput) -> None:
+        """Paused sequences whose adapter can have a slot again run from the next step on
+        (a swapped-out one once device blocks for its KV are free: they are copied back)."""
         adapters = self.adapter_slots
         room = self.config.max_num_seqs - len(self.running)
         resumed: list[Sequence] = []
+        self._swap_in_reserve = 0
         for seq in sorted(self.paused, key=_rank):
             if room <= 0:
                 break
-            if adapters is None or adapters.acquire(seq):
-                self.running.append(seq)
-                self._resumed.add(seq.seq_id)
-                resumed.append(seq)
-                room -= 1
+            if adapters is not None and not adapters.acquire(seq):
+                continue
+            if seq.host_extent is not None and not self._swap_in(seq, output):
+                if adapters is not None:
+                    adapters.release(seq)
+                if not self._swap_in_reserve:
+                    self._swap_in_reserve = seq.host_extent[1]
+                continue
+            self.running.append(seq)
+            self._resumed.add(seq.seq_id)
+            resumed.append(seq)
+            room -= 1
         if resumed:  # one pass over the paused list, not a removal per resumed sequence
             gone = set(map(id, resumed))
             self.paused = [seq for seq in self.paused if id(seq) not in gone]
@@ -398,6 +493,7 @@ class Scheduler:
         if self.adapter_slots is not None:
             self.adapter_slots.release(seq)
         self.block_manager.free(seq)
+        self._free_host_extent(seq)
         seq.reset_for_recompute()
         if requeue:
             heapq.heappush(self.waiting, (_rank(seq), seq.seq_id, seq))

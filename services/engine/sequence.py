@@ -58,6 +58,9 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     generator: Any = None  # torch.Generator for a seeded request, created by the sampler
     num_pending_tokens: int = 0  # trailing PENDING_TOKEN placeholders (overlapped steps only)
+    # Where its KV blocks wait in host memory while it is paused and swapped out: (first host
+    # block, block count); None while they are on the device (services/engine/kv_swap.py).
+    host_extent: tuple[int, int] | None = None
     argmax_from: float = field(init=False)  # params.argmax_from, read once (checked each step)
 
     def __post_init__(self) -> None:

@@ -27,6 +27,7 @@ class MetricsRecorder:
         metrics.ENGINE_WAITING_SEQUENCES.set(load.waiting)
         scheduler = getattr(self._engine, "scheduler", None)
         metrics.ENGINE_PAUSED_SEQUENCES.set(len(getattr(scheduler, "paused", ())))
+        metrics.ENGINE_SWAPPED_SEQUENCES.set(getattr(scheduler, "num_swapped", 0))
         metrics.ENGINE_KV_BLOCKS_FREE.set(load.free_blocks)
         metrics.ENGINE_KV_BLOCKS_USED.set(load.total_blocks - load.free_blocks)
         metrics.ENGINE_RESIDENT_ADAPTERS.set(len(load.resident_adapters))
@@ -37,6 +38,7 @@ class MetricsRecorder:
             metrics.ENGINE_GENERATED_TOKENS.inc(generated)
         block_manager = getattr(self._engine, "block_manager", None)
         self._increment(metrics.ENGINE_PREEMPTIONS, "preemptions", self._engine, "num_preemptions")
+        self._increment(metrics.ENGINE_SWAP_OUTS, "swap_outs", scheduler, "num_swap_outs")
         self._increment(
             metrics.ENGINE_PREFIX_CACHE_QUERIES, "queries", block_manager, "prefix_cache_queries"
         )

@@ -32,6 +32,8 @@ class QueueState:
     total_blocks: int
     slot_writes: int = 0  # LoRA slot writes since the engine started (with adapters)
     pauses: int = 0  # sequences paused for a LoRA slot since the engine started
+    swapped: int = -1  # paused sequences with their KV in host memory (-1: no swap space)
+    swap_outs: int = 0  # paused sequences moved to host memory since the engine started
     resident_adapters: int = -1  # -1: adapters off
     # Steps not planned ahead since the engine started, by reason (None: it never plans ahead).
     plain_step_reasons: Mapping[str, int] | None = None
@@ -52,6 +54,7 @@ class StepStats:
         self._generated_tokens = 0
         self._last_writes = 0
         self._last_pauses = 0
+        self._last_swap_outs = 0
         self._last_wait_s = 0.0
         self._ahead = 0
         self._last_reasons: Counter[str] = Counter()
@@ -96,11 +99,18 @@ class StepStats:
                 f"; LoRA {state.resident_adapters} resident, {writes / elapsed:.1f} slot "
                 f"writes/s, {pauses / elapsed:.1f} pauses/s"
             )
+            if state.swapped >= 0:
+                swap_outs = state.swap_outs - self._last_swap_outs
+                text += (
+                    f", {state.swapped} paused in host memory "
+                    f"({swap_outs / elapsed:.1f} swapped out/s)"
+                )
         if state.plain_step_reasons is not None:
             text += self._ahead_text(state.plain_step_reasons)
             waited = state.host_wait_s - self._last_wait_s
             text += f"; host waiting for the device {100.0 * waited / elapsed:.0f}%"
         self._last_writes, self._last_pauses = state.slot_writes, state.pauses
+        self._last_swap_outs = state.swap_outs
         self._last_wait_s = state.host_wait_s
         self._start = self._clock()
         self._steps = self._ahead = 0

@@ -60,17 +60,20 @@ def _llm(
     max_loras: int = 2,
     fused_decode: bool = True,
     fused_swiglu: bool = True,
+    kv_cache_bytes: int = 16 << 20,
+    swap_space_gib: float | None = None,
 ) -> LLM:
     slicing = {} if quantum_ms is None else {"lora_slot_quantum_ms": quantum_ms}
     config = EngineConfig(
         **slicing,
+        swap_space_gib=swap_space_gib,
         lora_fused_decode=fused_decode,
         lora_fused_swiglu=fused_swiglu,
         model=str(directory / "base"),
         device=device,
         dtype="float32",
         block_size=16,
-        kv_cache_bytes=16 << 20,
+        kv_cache_bytes=kv_cache_bytes,
         max_num_seqs=16,
         max_loras=max_loras,
         max_cpu_loras=4,
@@ -201,6 +204,44 @@ def test_time_sliced_slots_with_steps_planned_ahead_keep_every_token(model_dir: 
         alone = gpu.generate([prompt], greedy, adapters=name)[0]
         assert output.token_ids == alone.token_ids, (name, prompt)
     engine.shutdown()
+
+
+# A KV block of the tiny model here: keys and values, 2 layers, 16 tokens, 2 heads of 16, float32.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+
+
+def test_paused_sequences_swapped_to_pinned_host_memory_keep_every_token(model_dir: Path) -> None:
+    """A KV cache too small for the paused sequences of slots changing hands every
+    millisecond: with swap space (pinned host memory, copies on the step's stream) they move
+    out and back with steps planned ahead, and each request's tokens stay those it gets alone
+    on an engine with room; without swap space the same load preempts."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
+    names = [name for name in ADAPTERS for _ in range(4)]
+    prompts = [PROMPTS[index % len(PROMPTS)] for index in range(len(names))]
+    roomy = _llm(model_dir, "cuda", quantum_ms=1.0)
+    expected = [
+        roomy.generate([prompt], greedy, adapters=name)[0].token_ids
+        for name, prompt in zip(names, prompts, strict=True)
+    ]
+    roomy.engine.shutdown()
+    counts = []
+    for swap_blocks in (0, 64):
+        gpu = _llm(
+            model_dir,
+            "cuda",
+            quantum_ms=1.0,
+            kv_cache_bytes=12 * BLOCK_BYTES,
+            swap_space_gib=swap_blocks * BLOCK_BYTES / 1024**3,
+        )
+        mixed = gpu.generate(prompts, greedy, adapters=names)
+        assert [output.token_ids for output in mixed] == expected
+        scheduler = gpu.engine.scheduler
+        counts.append((scheduler.num_swap_outs, scheduler.num_preemptions))
+        assert scheduler.num_swap_ins == scheduler.num_swap_outs and not scheduler.paused
+        assert gpu.engine.block_manager.num_free_blocks == gpu.engine.block_manager.num_blocks
+        gpu.engine.shutdown()
+    assert counts[0][0] == 0 and counts[0][1] > 0, counts
+    assert counts[1][0] > 0 and counts[1][1] < counts[0][1], counts
 
 
 def test_swiglu_taking_gate_up_deltas_keeps_every_token(model_dir: Path) -> None:

@@ -83,6 +83,11 @@ class AdapterGate:
                 return True
         return False
 
+    def could_acquire(self, seq: Sequence) -> bool:
+        """Whether `acquire(seq)` could pin its adapter's slot now (changes nothing)."""
+        record = self._records.get(seq.seq_id)
+        return record is None or self.manager.could_acquire(record)
+
     def drop(self, seq: Sequence) -> None:
         """The request is finished or aborted: release its slot and its demand."""
         self.release(seq)

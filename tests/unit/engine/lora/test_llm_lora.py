@@ -76,16 +76,16 @@ def _llm(directory: Path, adapter_root: Path | None = None, **lora: object) -> L
 
 
 def _config(directory: Path, adapter_root: Path | None = None, **lora: object) -> EngineConfig:
+    settings: dict[str, object] = {"kv_cache_bytes": 1 << 20, **lora}
     return EngineConfig(
         model=str(directory / "base"),
         device="cpu",
         dtype="float32",
         block_size=4,
-        kv_cache_bytes=1 << 20,
         max_num_seqs=32,
         max_lora_rank=8,
         adapter_root=str(adapter_root or directory / "adapters"),
-        **lora,
+        **settings,
     )
 
 
@@ -210,6 +210,50 @@ def test_slot_turns_planned_ahead_keep_every_token(eight) -> None:
     assert not engine.scheduler.paused and engine.adapters.gate.num_held == 0
     assert engine.block_manager.num_free_blocks == runner.num_blocks
     engine.shutdown()
+
+
+# A KV block of the tiny model: keys and values, 2 layers, 4 tokens, 2 heads of 16, float32.
+TINY_BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_paused_sequences_swapped_to_host_memory_keep_every_token(eight, ahead) -> None:
+    """A KV cache too small for every paused sequence: with swap space, paused sequences move
+    to host memory and back instead of being recomputed, and every request's tokens still
+    equal peft's (planned ahead too); without it, the same load preempts."""
+    directory, prompts, references = eight
+    names = [None, *EIGHT_ADAPTERS]
+    counts = {}
+    for swap_blocks in (0, 64):
+        config = _config(
+            directory,
+            max_loras=2,
+            max_cpu_loras=8,
+            lora_slot_quantum_ms=0.001,
+            kv_cache_bytes=24 * TINY_BLOCK_BYTES,
+            swap_space_gib=swap_blocks * TINY_BLOCK_BYTES / 1024**3,
+        )
+        config, runner = LLMEngine._build_runner(config)
+        if ahead:
+            runner = _LaunchingRunner(runner)
+        engine = LLMEngine(config, model_runner=runner)
+        llm = LLM.from_engine(engine, _Tokenizer())
+        for name in EIGHT_ADAPTERS:
+            llm.add_adapter(name)
+        _check_all_in_flight(llm, names, prompts, references)
+        scheduler = engine.scheduler
+        counts[swap_blocks] = (scheduler.num_swap_outs, scheduler.num_preemptions)
+        assert scheduler.num_swap_ins == scheduler.num_swap_outs
+        assert not scheduler.paused and engine.adapters.gate.num_held == 0
+        assert engine.block_manager.num_free_blocks == runner.num_blocks
+        if swap_blocks:
+            assert scheduler.host_blocks.num_free == scheduler.host_blocks.num_blocks == 64
+        else:
+            assert scheduler.host_blocks is None and engine.kv_swap is None
+        engine.shutdown()
+    (swaps_off, preempted_off), (swaps_on, preempted_on) = counts[0], counts[64]
+    assert swaps_off == 0 and preempted_off > 0  # the cache is short: paused KV is recomputed
+    assert swaps_on > 0 and preempted_on < preempted_off
 
 
 def test_new_files_under_a_name_never_reuse_the_old_kv(eight, tmp_path: Path) -> None:

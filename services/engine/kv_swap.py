@@ -1,0 +1,67 @@
+"""Host memory for the KV blocks of paused sequences: swap out, swap back in.
+
+With LoRA slot time-slicing, a sequence paused for its adapter's turn keeps its KV blocks on
+the device while it waits (services/engine/scheduler.py). Under a skewed adapter mix hundreds of
+them can wait at once, and their blocks fill the cache: new requests then wait for blocks, or a
+paused sequence is preempted and later recomputes its whole context. With swap space, the
+scheduler instead moves a paused sequence's blocks to host memory when the cache is short
+(`HostBlocks` in services/engine/swap_space.py picks where: one contiguous extent per
+sequence), and back when its adapter has a slot again; no work is lost, each way costs the
+blocks' bytes over the host link.
+
+`KVSwapper` does the copies on the KV cache's tensors. They are issued on the device's current
+stream when the scheduler's plan is made, before the step that plan launches: a swap-out reads
+its blocks after every step already issued (the last one that wrote them) and before the step
+that reuses them writes; a swap-in lands before the sequence's next step, which is planned
+later. On a GPU the host side is pinned, so the copies run without blocking the host thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from services.engine.scheduler import SchedulerOutput
+
+
+class KVSwapper:
+    """Copies KV blocks between the cache's per-layer tensors and a host mirror of them."""
+
+    def __init__(
+        self, layers: Seq[tuple[torch.Tensor, torch.Tensor]], num_host_blocks: int
+    ) -> None:
+        # Copied as bytes: every KV element type moves the same way (index_copy has no float8).
+        self._layers = [tensor.view(torch.uint8) for pair in layers for tensor in pair]
+        self.device = self._layers[0].device
+        pin = self.device.type == "cuda"
+        self._host = [
+            torch.empty((num_host_blocks, *tensor.shape[1:]), dtype=torch.uint8, pin_memory=pin)
+            for tensor in self._layers
+        ]
+        self.num_blocks = num_host_blocks
+        self.nbytes = sum(tensor.nbytes for tensor in self._host)
+
+    def apply(self, plan: SchedulerOutput) -> None:
+        """Issue a plan's copies: swap-outs first (a swap-in of the same plan may reuse the
+        device blocks they free), then swap-ins."""
+        for device_blocks, start in plan.swap_out:
+            self.swap_out(device_blocks, start)
+        for start, device_blocks in plan.swap_in:
+            self.swap_in(start, device_blocks)
+
+    def swap_out(self, device_blocks: list[int], start: int) -> None:
+        """Copy `device_blocks` (in order) to host blocks start, start + 1, ..."""
+        index = torch.tensor(device_blocks, dtype=torch.long).to(self.device, non_blocking=True)
+        end = start + len(device_blocks)
+        for tensor, host in zip(self._layers, self._host, strict=True):
+            host[start:end].copy_(tensor.index_select(0, index), non_blocking=True)
+
+    def swap_in(self, start: int, device_blocks: list[int]) -> None:
+        """Copy host blocks start, start + 1, ... back into `device_blocks` (in order)."""
+        index = torch.tensor(device_blocks, dtype=torch.long).to(self.device, non_blocking=True)
+        end = start + len(device_blocks)
+        for tensor, host in zip(self._layers, self._host, strict=True):
+            tensor.index_copy_(0, index, host[start:end].to(self.device, non_blocking=True))

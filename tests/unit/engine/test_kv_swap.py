@@ -1,0 +1,58 @@
+"""Swap space: host extents handed out and merged back; KV blocks copied out and in exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.forward_batch import ScheduledBatch
+from services.engine.kv_swap import KVSwapper
+from services.engine.scheduler import SchedulerOutput
+from services.engine.swap_space import HostBlocks, default_swap_space_gib
+
+
+def test_extents_are_first_fit_and_merge_when_freed() -> None:
+    blocks = HostBlocks(10)
+    assert blocks.allocate(4) == 0 and blocks.allocate(3) == 4 and blocks.allocate(3) == 7
+    assert blocks.allocate(1) is None and blocks.num_free == 0
+    blocks.free(4, 3)
+    assert blocks.allocate(4) is None  # 3 free in a row, not 4
+    blocks.free(0, 4)  # merges with 4..6
+    assert blocks.largest_extent == 7 and blocks.num_free == 7
+    assert blocks.allocate(5) == 0
+    blocks.free(7, 3)
+    blocks.free(0, 5)
+    assert blocks.largest_extent == 10 and blocks.num_free == 10
+
+
+def test_freeing_blocks_that_are_free_is_refused() -> None:
+    blocks = HostBlocks(6)
+    start = blocks.allocate(2)
+    blocks.free(start, 2)
+    with pytest.raises(ValueError, match="free already"):
+        blocks.free(start, 2)
+    with pytest.raises(ValueError, match="at least one"):
+        blocks.allocate(0)
+
+
+def test_default_swap_space_only_on_a_gpu_with_time_sliced_slots() -> None:
+    assert default_swap_space_gib(device_type="cpu", time_sliced=True) == 0.0
+    assert default_swap_space_gib(device_type="cuda", time_sliced=False) == 0.0
+    assert 0.0 < default_swap_space_gib(device_type="cuda", time_sliced=True) <= 16.0
+
+
+def test_blocks_come_back_exactly_into_other_device_blocks() -> None:
+    shape = (8, 4, 2, 3)  # blocks, block size, heads, head dim
+    layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(2)]
+    original = [(key.clone(), value.clone()) for key, value in layers]
+    swapper = KVSwapper(layers, num_host_blocks=5)
+    assert swapper.nbytes == 2 * 2 * 5 * 4 * 2 * 3 * 4
+    out = SchedulerOutput(batch=ScheduledBatch(), swap_out=[([6, 1, 3], 2)])
+    swapper.apply(out)
+    for key, value in layers:  # the blocks are free now: the next step writes over them
+        key[[6, 1, 3]] = 0.0
+        value[[6, 1, 3]] = 0.0
+    swapper.apply(SchedulerOutput(batch=ScheduledBatch(), swap_in=[(2, [0, 7, 5])]))
+    for (key, value), (key0, value0) in zip(layers, original, strict=True):
+        assert torch.equal(key[[0, 7, 5]], key0[[6, 1, 3]])
+        assert torch.equal(value[[0, 7, 5]], value0[[6, 1, 3]])

@@ -54,3 +54,25 @@ def test_the_recorder_sets_paused_sequences_from_the_scheduler() -> None:
     assert found[("sluice_engine_running_sequences", ())] == 5
     MetricsRecorder(SimpleNamespace()).record(output)
     assert _samples()[("sluice_engine_paused_sequences", ())] == 0
+
+
+def test_the_recorder_counts_sequences_swapped_to_host_memory() -> None:
+    """Paused sequences whose KV is in host memory (swap space) get their own gauge, and the
+    moves there a counter, from the scheduler's running total."""
+    from types import SimpleNamespace
+
+    from services.engine.server_metrics import MetricsRecorder
+
+    load = SimpleNamespace(
+        running=4, waiting=0, free_blocks=1, total_blocks=40, resident_adapters=()
+    )
+    output = SimpleNamespace(load=load, num_batched_tokens=0, deltas=[])
+    scheduler = SimpleNamespace(paused=[object()] * 3, num_swapped=2, num_swap_outs=5)
+    recorder = MetricsRecorder(SimpleNamespace(scheduler=scheduler))
+    before = _samples().get(("sluice_engine_kv_swap_outs_total", ()), 0.0)
+    recorder.record(output)
+    scheduler.num_swap_outs = 7
+    recorder.record(output)
+    found = _samples()
+    assert found[("sluice_engine_swapped_sequences", ())] == 2
+    assert found[("sluice_engine_kv_swap_outs_total", ())] == before + 7

@@ -68,8 +68,8 @@ class EngineConfig:
         help="GiB of host memory (pinned on a GPU) for the KV blocks of sequences paused for a "
         "LoRA slot turn: when the KV cache runs short, paused sequences move there instead of "
         "holding device blocks or being recomputed, and come back when their adapter has a slot "
-        "(services/engine/kv_swap.py); default: 16 GiB, at most an eighth of the host's memory, "
-        "on a GPU with time-sliced LoRA slots, else 0 (off)",
+        "(services/engine/kv_swap.py); default: 16 GiB, at most an eighth of the host's memory "
+        "(or of the container's limit), on a GPU with time-sliced LoRA slots, else 0 (off)",
     )
     max_num_seqs: int | None = field(
         None,

@@ -290,7 +290,16 @@ class LLMEngine(OverlappedSteps):
         if num_blocks < 1:
             return None
         started = time.perf_counter()
-        swapper = KVSwapper(cache.layers, num_blocks)
+        try:
+            swapper = KVSwapper(cache.layers, num_blocks)
+        except (RuntimeError, MemoryError) as exc:  # e.g. pinned memory refused: serve without
+            logger.warning(
+                "no KV swap space: %.1f GiB of host memory could not be allocated (%s); paused "
+                "sequences keep their KV blocks on the device (set --swap-space-gib lower)",
+                gib,
+                exc,
+            )
+            return None
         logger.info(
             "KV swap space for paused sequences: %d blocks (%.1f GiB of %s host memory, "
             "%d tokens) in %.1fs",

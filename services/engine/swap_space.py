@@ -15,17 +15,44 @@ GIB = 1024**3
 DEFAULT_SWAP_SPACE_GIB = 16.0
 
 
+# Where a container's memory limit is read (cgroup v2, then v1); "max" or a huge v1 value: none.
+CGROUP_MEMORY_LIMITS = (
+    "/sys/fs/cgroup/memory.max",
+    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+)
+
+
+def host_memory_bytes(limit_files: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int | None:
+    """The memory this process may use: the host's RAM, or its container's limit if lower
+    (a pod's limit, which pinned memory counts against); None where neither can be read."""
+    try:
+        total: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = None
+    for path in limit_files:
+        try:
+            with open(path) as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = int(text)
+            total = limit if total is None else min(total, limit)
+        break
+    return total
+
+
 def default_swap_space_gib(*, device_type: str, time_sliced: bool) -> float:
     """The swap space an engine gets when none is configured: on a GPU whose adapters take
     turns in slots (the only way sequences pause), DEFAULT_SWAP_SPACE_GIB or an eighth of the
-    host's memory if less; else none (a CPU's KV cache is host memory already)."""
+    memory the process may use (`host_memory_bytes`) if less; else none (a CPU's KV cache is
+    host memory already)."""
     if device_type != "cuda" or not time_sliced:
         return 0.0
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
+    memory = host_memory_bytes()
+    if memory is None:
         return 0.0
-    return min(DEFAULT_SWAP_SPACE_GIB, ram / 8 / GIB)
+    return min(DEFAULT_SWAP_SPACE_GIB, memory / 8 / GIB)
 
 
 class HostBlocks:

@@ -1,6 +1,9 @@
 """The paged KV cache tensors: per layer a key and a value tensor of fixed-size blocks.
 
-Layout (shared by every backend): [num_blocks, block_size, num_kv_heads, head_dim]. The number
+Layout (shared by every backend): [num_blocks, block_size, num_kv_heads, head_dim] per layer,
+each a view of one tensor of every layer's keys and values ([layers, 2, num_blocks, ...]:
+`stacked`), so moving a sequence's blocks to or from host memory is one gather or scatter over
+all layers (services/engine/kv_swap.py). The number
 of blocks comes from a memory budget, sized after the weights are loaded: on CPU a byte budget
 (default DEFAULT_CPU_KV_CACHE_BYTES, 512 MiB: ~11,600 tokens of SmolLM2-135M in float32,
 ~23,300 in bfloat16); on CUDA a fraction of the device memory (gpu_memory_utilization) minus
@@ -54,6 +57,9 @@ class KVCache:
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     num_blocks: int
     block_size: int
+    # Every layer's keys and values in one tensor, [layers, 2, num_blocks, ...], of which
+    # `layers` are views; None where the layers were made apart.
+    stacked: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -77,11 +83,8 @@ class KVCache:
                 f"(block_size {block_size}); raise kv_cache_bytes or gpu_memory_utilization"
             )
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        layers = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(config.num_layers)
-        ]
-        return cls(layers=layers, num_blocks=int(num_blocks), block_size=block_size)
+        stacked = torch.zeros((config.num_layers, 2, *shape), dtype=dtype, device=device)
+        layers = [(stacked[layer, 0], stacked[layer, 1]) for layer in range(config.num_layers)]
+        return cls(
+            layers=layers, num_blocks=int(num_blocks), block_size=block_size, stacked=stacked
+        )

@@ -9,7 +9,10 @@ scheduler instead moves a paused sequence's blocks to host memory when the cache
 sequence), and back when its adapter has a slot again; no work is lost, each way costs the
 blocks' bytes over the host link.
 
-`KVSwapper` does the copies on the KV cache's tensors. They are issued on the device's current
+`KVSwapper` does the copies on the KV cache's tensors: with the cache's layers views of one
+tensor (`KVCache.stacked`), a sequence's blocks of every layer move in one gather (or scatter)
+and one copy to (or from) host memory laid out [host block, layer, key/value, ...]; otherwise
+a copy per layer's keys and values. They are issued on the device's current
 stream when the scheduler's plan is made, before the step that plan launches: a swap-out reads
 its blocks after every step already issued (the last one that wrote them) and before the step
 that reuses them writes; a swap-in lands before the sequence's next step, which is planned
@@ -31,16 +34,29 @@ class KVSwapper:
     """Copies KV blocks between the cache's per-layer tensors and a host mirror of them."""
 
     def __init__(
-        self, layers: Seq[tuple[torch.Tensor, torch.Tensor]], num_host_blocks: int
+        self,
+        layers: Seq[tuple[torch.Tensor, torch.Tensor]],
+        num_host_blocks: int,
+        stacked: torch.Tensor | None = None,
     ) -> None:
+        """`stacked`: the tensor [layers, 2, blocks, ...] that `layers` are views of, if any."""
         # Copied as bytes: every KV element type moves the same way (index_copy has no float8).
         self._layers = [tensor.view(torch.uint8) for pair in layers for tensor in pair]
         self.device = self._layers[0].device
         pin = self.device.type == "cuda"
-        self._host = [
-            torch.empty((num_host_blocks, *tensor.shape[1:]), dtype=torch.uint8, pin_memory=pin)
-            for tensor in self._layers
-        ]
+        self._stacked = stacked.view(torch.uint8) if stacked is not None else None
+        if self._stacked is not None:
+            layout = self._stacked.shape
+            self._host = [
+                torch.empty(
+                    (num_host_blocks, *layout[:2], *layout[3:]), dtype=torch.uint8, pin_memory=pin
+                )
+            ]
+        else:
+            self._host = [
+                torch.empty((num_host_blocks, *tensor.shape[1:]), dtype=torch.uint8, pin_memory=pin)
+                for tensor in self._layers
+            ]
         self.num_blocks = num_host_blocks
         self.nbytes = sum(tensor.nbytes for tensor in self._host)
 
@@ -56,6 +72,10 @@ class KVSwapper:
         """Copy `device_blocks` (in order) to host blocks start, start + 1, ..."""
         index = torch.tensor(device_blocks, dtype=torch.long).to(self.device, non_blocking=True)
         end = start + len(device_blocks)
+        if self._stacked is not None:  # [layers, 2, n, ...] -> [n, layers, 2, ...], one copy
+            rows = self._stacked.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+            self._host[0][start:end].copy_(rows, non_blocking=True)
+            return
         for tensor, host in zip(self._layers, self._host, strict=True):
             host[start:end].copy_(tensor.index_select(0, index), non_blocking=True)
 
@@ -63,5 +83,9 @@ class KVSwapper:
         """Copy host blocks start, start + 1, ... back into `device_blocks` (in order)."""
         index = torch.tensor(device_blocks, dtype=torch.long).to(self.device, non_blocking=True)
         end = start + len(device_blocks)
+        if self._stacked is not None:
+            rows = self._host[0][start:end].to(self.device, non_blocking=True)
+            self._stacked.index_copy_(2, index, rows.permute(1, 2, 0, 3, 4, 5))
+            return
         for tensor, host in zip(self._layers, self._host, strict=True):
             tensor.index_copy_(0, index, host[start:end].to(self.device, non_blocking=True))

@@ -291,7 +291,7 @@ class LLMEngine(OverlappedSteps):
             return None
         started = time.perf_counter()
         try:
-            swapper = KVSwapper(cache.layers, num_blocks)
+            swapper = KVSwapper(cache.layers, num_blocks, getattr(cache, "stacked", None))
         except (RuntimeError, MemoryError) as exc:  # e.g. pinned memory refused: serve without
             logger.warning(
                 "no KV swap space: %.1f GiB of host memory could not be allocated (%s); paused "

@@ -11,14 +11,16 @@ from services.engine.kv_swap import KVSwapper
 from services.engine.scheduler import SchedulerOutput
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["one-tensor", "per-layer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_blocks_swapped_out_and_overwritten_come_back_exactly(dtype) -> None:
+def test_blocks_swapped_out_and_overwritten_come_back_exactly(dtype, stacked) -> None:
     shape = (64, 16, 8, 128)  # blocks, block size, KV heads, head dim
-    layers = [
-        tuple(torch.randn(shape, device="cuda").to(dtype) for _ in range(2)) for _ in range(4)
-    ]
+    whole = torch.randn((4, 2, *shape), device="cuda").to(dtype)  # layers, keys and values
+    layers = [(whole[layer, 0], whole[layer, 1]) for layer in range(4)]
+    if not stacked:
+        layers = [(key.clone(), value.clone()) for key, value in layers]
     original = [(key.clone(), value.clone()) for key, value in layers]
-    swapper = KVSwapper(layers, num_host_blocks=32)
+    swapper = KVSwapper(layers, num_host_blocks=32, stacked=whole if stacked else None)
     assert all(host.is_pinned() for host in swapper._host)
     out_blocks, in_blocks = [40, 3, 17, 9, 60], [1, 2, 50, 51, 52]
     swapper.apply(SchedulerOutput(batch=ScheduledBatch(), swap_out=[(out_blocks, 7)]))

@@ -53,6 +53,13 @@ def test_allocation_fills_the_budget_with_whole_blocks() -> None:
         assert key.dtype == torch.float32
         assert not key.any() and not value.any()  # zeroed: padded reads never see NaN
     assert cache.layers[0][0].data_ptr() != cache.layers[1][0].data_ptr()
+    # Every layer's keys and values are views of one tensor (a swap moves all layers at once).
+    layout = (CONFIG.num_layers, 2, 10, 8, CONFIG.num_kv_heads, CONFIG.head_dim)
+    assert cache.stacked.shape == layout
+    for layer, (key, value) in enumerate(cache.layers):
+        assert key.is_contiguous() and value.is_contiguous()
+        assert key.data_ptr() == cache.stacked[layer, 0].data_ptr()
+        assert value.data_ptr() == cache.stacked[layer, 1].data_ptr()
 
 
 def test_cpu_default_budget() -> None:

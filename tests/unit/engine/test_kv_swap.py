@@ -52,11 +52,17 @@ def test_a_container_limit_below_the_host_memory_bounds_it(tmp_path) -> None:
     assert host_memory_bytes(limit_files=("/nonexistent", str(v2))) == 1 << 30
 
 
-def test_blocks_come_back_exactly_into_other_device_blocks() -> None:
+@pytest.mark.parametrize("stacked", [True, False], ids=["one-tensor", "per-layer"])
+def test_blocks_come_back_exactly_into_other_device_blocks(stacked: bool) -> None:
+    """The cache's layers as views of one tensor (as KVCache.allocate makes them: a block of
+    every layer moves in one gather) or apart: the same bytes come back."""
     shape = (8, 4, 2, 3)  # blocks, block size, heads, head dim
-    layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(2)]
+    whole = torch.randn((2, 2, *shape))  # layers, keys and values
+    layers = [(whole[layer, 0], whole[layer, 1]) for layer in range(2)]
+    if not stacked:
+        layers = [(key.clone(), value.clone()) for key, value in layers]
     original = [(key.clone(), value.clone()) for key, value in layers]
-    swapper = KVSwapper(layers, num_host_blocks=5)
+    swapper = KVSwapper(layers, num_host_blocks=5, stacked=whole if stacked else None)
     assert swapper.nbytes == 2 * 2 * 5 * 4 * 2 * 3 * 4
     out = SchedulerOutput(batch=ScheduledBatch(), swap_out=[([6, 1, 3], 2)])
     swapper.apply(out)
@@ -67,6 +73,7 @@ def test_blocks_come_back_exactly_into_other_device_blocks() -> None:
     for (key, value), (key0, value0) in zip(layers, original, strict=True):
         assert torch.equal(key[[0, 7, 5]], key0[[6, 1, 3]])
         assert torch.equal(value[[0, 7, 5]], value0[[6, 1, 3]])
+        assert torch.equal(key[[2, 4]], key0[[2, 4]])  # blocks not named are untouched
 
 
 def test_the_engine_serves_without_swap_space_it_cannot_allocate(monkeypatch, caplog) -> None:

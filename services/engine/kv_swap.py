@@ -12,11 +12,14 @@ blocks' bytes over the host link.
 `KVSwapper` does the copies on the KV cache's tensors: with the cache's layers views of one
 tensor (`KVCache.stacked`), a sequence's blocks of every layer move in one gather (or scatter)
 and one copy to (or from) host memory laid out [host block, layer, key/value, ...]; otherwise
-a copy per layer's keys and values. They are issued on the device's current
-stream when the scheduler's plan is made, before the step that plan launches: a swap-out reads
-its blocks after every step already issued (the last one that wrote them) and before the step
-that reuses them writes; a swap-in lands before the sequence's next step, which is planned
-later. On a GPU the host side is pinned, so the copies run without blocking the host thread.
+a copy per layer's keys and values. They are issued when the scheduler's plan is made, before
+the step that plan launches: the gather of a swap-out on the device's current stream, after
+every step already issued (the last one that wrote its blocks) and before the step that
+reuses them; a swap-in's scatter before the sequence's next step, which is planned later. On a
+GPU the host side is pinned and, with a stacked cache, the transfers over the host link (a few
+ms for a long sequence) run on a side stream: a swap-out's from the gathered copy, a swap-in's
+beside the step in flight, its scatter waiting for it on the current stream. The host thread
+never waits for them.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class KVSwapper:
             ]
         self.num_blocks = num_host_blocks
         self.nbytes = sum(tensor.nbytes for tensor in self._host)
+        # A GPU's transfers over the host link run on a stream of their own (module docstring).
+        self._side = torch.cuda.Stream(self.device) if pin and self._stacked is not None else None
 
     def apply(self, plan: SchedulerOutput) -> None:
         """Issue a plan's copies: swap-outs first (a swap-in of the same plan may reuse the
@@ -74,7 +79,15 @@ class KVSwapper:
         end = start + len(device_blocks)
         if self._stacked is not None:  # [layers, 2, n, ...] -> [n, layers, 2, ...], one copy
             rows = self._stacked.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
-            self._host[0][start:end].copy_(rows, non_blocking=True)
+            target = self._host[0][start:end]
+            if self._side is None:
+                target.copy_(rows)
+                return
+            # The gather above is in order with the steps; the slow part leaves from its copy.
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                target.copy_(rows, non_blocking=True)
+            rows.record_stream(self._side)
             return
         for tensor, host in zip(self._layers, self._host, strict=True):
             host[start:end].copy_(tensor.index_select(0, index), non_blocking=True)
@@ -84,7 +97,17 @@ class KVSwapper:
         index = torch.tensor(device_blocks, dtype=torch.long).to(self.device, non_blocking=True)
         end = start + len(device_blocks)
         if self._stacked is not None:
-            rows = self._host[0][start:end].to(self.device, non_blocking=True)
+            source = self._host[0][start:end]
+            if self._side is None:
+                rows = source.to(self.device)
+            else:  # in over the link beside the step in flight, then scattered in order
+                with torch.cuda.stream(self._side):
+                    rows = source.to(self.device, non_blocking=True)
+                    landed = torch.cuda.Event()
+                    landed.record(self._side)
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(landed)
+                rows.record_stream(current)
             self._stacked.index_copy_(2, index, rows.permute(1, 2, 0, 3, 4, 5))
             return
         for tensor, host in zip(self._layers, self._host, strict=True):

@@ -230,6 +230,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput(batch=ScheduledBatch())
         self._planning_ahead = hold is not None
+        if not self.paused:
+            self._swap_in_reserve = 0  # the sequence it was kept for is gone
         if rotate and self.adapter_slots is not None:
             self._pause_yielding_slots()
         decodes: list[tuple[Sequence, int]] = []

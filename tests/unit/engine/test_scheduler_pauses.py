@@ -198,9 +198,14 @@ def test_a_swapped_out_sequence_that_ends_gives_its_host_blocks_back() -> None:
     scheduler.add(_distinct(12, 100, priority=9))
     scheduler.schedule()
     assert a.host_extent == (0, 3) and scheduler.host_blocks.num_free == 5
+    slots.pins = {0: 0}  # its adapter could resume, but the cache is short: blocks are kept
+    scheduler.schedule()
+    assert a in scheduler.paused and scheduler._swap_in_reserve == 3
     scheduler.finish(a)  # aborted while in host memory
     assert a.host_extent is None and scheduler.host_blocks.num_free == 8
     assert scheduler.num_swapped == 0 and a not in scheduler.paused
+    scheduler.schedule()
+    assert scheduler._swap_in_reserve == 0  # nothing is kept for it any more
 
 
 def test_swap_space_takes_first_the_paused_sequences_whose_turn_is_not_now() -> None:

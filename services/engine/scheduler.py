@@ -141,6 +141,7 @@ class Scheduler:
         self.num_pauses = 0
         self.num_swap_outs = 0
         self.num_swap_ins = 0
+        self.num_swapped = 0  # paused sequences whose KV blocks are in host memory now
         # Device blocks the highest-ranked swapped-out sequence able to resume lacked at the
         # last schedule: admissions leave them free, so it comes back before newer requests.
         self._swap_in_reserve = 0
@@ -189,11 +190,6 @@ class Scheduler:
     def resumed_last(self) -> bool:
         """Whether the last schedule resumed paused sequences (they run from the next one)."""
         return bool(self._resumed)
-
-    @property
-    def num_swapped(self) -> int:
-        """Paused sequences whose KV blocks are in host memory."""
-        return sum(seq.host_extent is not None for seq in self.paused)
 
     @property
     def num_running(self) -> int:
@@ -426,6 +422,7 @@ class Scheduler:
         self.block_manager.free(seq)  # num_computed_tokens stays: the KV is only elsewhere
         seq.host_extent = (start, count)
         self.num_swap_outs += 1
+        self.num_swapped += 1
         return True
 
     def _swap_in(self, seq: Sequence, output: SchedulerOutput) -> bool:
@@ -446,6 +443,7 @@ class Scheduler:
         if seq.host_extent is not None:
             self.host_blocks.free(*seq.host_extent)
             seq.host_extent = None
+            self.num_swapped -= 1
 
     def _pause_yielding_slots(self) -> None:
         """Pause the running sequences of the slots that must change hands."""

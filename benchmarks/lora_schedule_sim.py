@@ -22,8 +22,12 @@ phase to its last finish, p99 TTFT), plus the engine's mean running, paused and 
 sequences and KV use. The figures are a model's: for comparing scheduling policies and
 settings against each other in one run, not for quoting as GPU results.
 
+With `--swap-blocks N` the LoRA phase has N host blocks of swap space for paused sequences'
+KV (the real scheduler's moves; each block's copy charged `--swap-us-per-block` to the clock).
+
     python -m benchmarks.lora_schedule_sim
     python -m benchmarks.lora_schedule_sim --slot-quantum-ms 50 --num-blocks 40000
+    python -m benchmarks.lora_schedule_sim --lora-factor 1.4 --swap-blocks 8192
 """
 
 from __future__ import annotations

@@ -190,6 +190,14 @@ class EngineConfig:
         "H100, BENCHMARKS.md); --no-lora-fused-swiglu writes every delta first (not used on "
         "tensor-parallel engines)",
     )
+    lora_side_deltas: bool = field(
+        False,
+        help="on a GPU, decode steps of several adapters run each projection's LoRA kernels "
+        "on a second stream beside its base matmul, the kernel that reads the projection "
+        "next adding the deltas they wrote (their launches leave the step's critical path; "
+        "a delta buffer of the widest decode graph's rows per projection, ~44 MB at 512 rows "
+        "of an 8B model); off: the LoRA kernels run in line with the matmuls",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):

@@ -47,6 +47,7 @@ from services.engine.sequence import PENDING_TOKEN
 if TYPE_CHECKING:
     from services.engine.lora.engine_adapters import EngineAdapters
     from services.engine.lora.fused import FusedDecode
+    from services.engine.lora.runtime import LoRARuntime
 
 logger = logging.getLogger(__name__)
 
@@ -241,20 +242,13 @@ class CudaModelRunner(BaseModelRunner):
             self.fast.bind_epilogues(runtime)
             if adapters.config.fused_swiglu:
                 runtime.tile_consumer = self.fast.ops
+            runtime.delta_projections = self.fast.delta_projections
         if not self.use_cuda_graphs:
             return
         graphs = self.fast.graphs
         runtime.graph_rows = graphs.max_batch_size  # wider steps never replay
         runtime.graph_buckets = graphs.buckets
-        small = min(runtime.side_shrink_max_rows, runtime.max_rows)
-        runtime.launch_always = True
-        try:
-            self.fast.capture_graphs(LORA_GRAPHS)
-            if graphs.buckets[0] <= small:
-                runtime.graph_deltas_first = True
-                self.fast.capture_graphs(LORA_MANY_GRAPHS, max_size=small)
-        finally:
-            runtime.launch_always = runtime.graph_deltas_first = False
+        self._capture_lora_graphs(runtime, side_deltas=adapters.config.side_deltas)
         if adapters.config.fused_decode and self.tensor_parallel is None:
             runtime.fused = self._capture_fused(adapters)
 
@@ -271,6 +265,40 @@ class CudaModelRunner(BaseModelRunner):
             return LORA_GRAPHS
 
         graphs.select_variant = select
+
+    def _capture_lora_graphs(self, runtime: LoRARuntime, *, side_deltas: bool) -> None:
+        """Capture the decode graphs of steps of several adapters: with `side_deltas` (and the
+        fast path's kernels adding written deltas) one "lora" set whose LoRA kernels run on a
+        side stream beside each base matmul (lora/runtime.py); otherwise "lora" (the shrink
+        beside the matmul up to SIDE_SHRINK_MAX_ROWS rows, deltas first above) and "lora-many"
+        for the small buckets (deltas first)."""
+        graphs = self.fast.graphs
+        graphs.drop(LORA_GRAPHS)
+        graphs.drop(LORA_MANY_GRAPHS)
+        side_deltas = side_deltas and bool(runtime.delta_projections)
+        small = min(runtime.side_shrink_max_rows, runtime.max_rows)
+        started = time.perf_counter()
+        runtime.launch_always = True
+        runtime.side_deltas = side_deltas
+        try:
+            self.fast.capture_graphs(LORA_GRAPHS)
+            if not side_deltas and graphs.buckets[0] <= small:
+                runtime.graph_deltas_first = True
+                self.fast.capture_graphs(LORA_MANY_GRAPHS, max_size=small)
+        finally:
+            runtime.launch_always = runtime.graph_deltas_first = runtime.side_deltas = False
+        logger.info(
+            "LoRA decode graphs of several adapters captured in %.1fs (%s)",
+            time.perf_counter() - started,
+            "LoRA kernels beside each projection" if side_deltas else "LoRA kernels in line",
+        )
+
+    def recapture_lora_graphs(self, adapters: EngineAdapters, *, side_deltas: bool) -> None:
+        """Capture the decode graphs of several adapters again, the LoRA kernels beside the
+        base matmuls or in line (benchmarks compare both in one process)."""
+        if self.fast is None or not self.use_cuda_graphs or adapters.runtime.graph_rows == 0:
+            raise RuntimeError("no LoRA decode graphs to capture on this runner")
+        self._capture_lora_graphs(adapters.runtime, side_deltas=side_deltas)
 
     def _capture_fused(self, adapters: EngineAdapters) -> FusedDecode | None:
         """Fold one adapter's LoRA into the base kernels and capture the "lora-one" graphs;

@@ -60,6 +60,7 @@ def _llm(
     max_loras: int = 2,
     fused_decode: bool = True,
     fused_swiglu: bool = True,
+    side_deltas: bool = False,
     kv_cache_bytes: int = 16 << 20,
     swap_space_gib: float | None = None,
 ) -> LLM:
@@ -69,6 +70,7 @@ def _llm(
         swap_space_gib=swap_space_gib,
         lora_fused_decode=fused_decode,
         lora_fused_swiglu=fused_swiglu,
+        lora_side_deltas=side_deltas,
         model=str(directory / "base"),
         device=device,
         dtype="float32",
@@ -267,5 +269,35 @@ def test_swiglu_taking_gate_up_deltas_keeps_every_token(model_dir: Path) -> None
         assert fast.token_ids == slow.token_ids, name
     assert runtime._pending is None
     for llm in (fused, plain):
+        llm.engine.shutdown()
+    torch.cuda.synchronize()
+
+
+def test_lora_kernels_beside_the_matmuls_keep_every_token(model_dir: Path) -> None:
+    """--lora-side-deltas: decode graphs of several adapters run each projection's LoRA
+    kernels on a second stream beside its base matmul, and the norm, SwiGLU and rotary kernels
+    add the deltas they wrote. Each request's greedy tokens (base rows, a bucket's padding and
+    four adapters in one step) are those of the engine running the kernels in line, and their
+    log-probabilities agree; no "lora-many" graphs are captured."""
+    beside = _llm(model_dir, "cuda", max_loras=4, side_deltas=True)
+    inline = _llm(model_dir, "cuda", max_loras=4)
+    graphs = beside.engine.runner.fast.graphs
+    assert "lora" in graphs.variants and "lora-many" not in graphs.variants
+    assert "lora-many" in inline.engine.runner.fast.graphs.variants
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    for llm in (beside, inline):  # every adapter in a slot first (as the tests above)
+        llm.generate([PROMPTS[0]] * len(ADAPTERS), greedy, adapters=list(ADAPTERS))
+    names = [None, *ADAPTERS, *ADAPTERS]  # 9 rows: a bucket of 16 with padding
+    prompts = [PROMPTS[index % 2] for index in range(len(names))]
+    before = graphs.replays["lora"]
+    got = beside.generate(prompts, greedy, adapters=names)
+    want = inline.generate(prompts, greedy, adapters=names)
+    assert graphs.replays["lora"] > before
+    for name, side, line in zip(names, got, want, strict=True):
+        assert side.token_ids == line.token_ids, name
+        for side_step, line_step in zip(side.logprobs, line.logprobs, strict=True):
+            assert side_step.logprob == pytest.approx(line_step.logprob, abs=1e-4), name
+    assert beside.engine.adapters.runtime._pending is None
+    for llm in (beside, inline):
         llm.engine.shutdown()
     torch.cuda.synchronize()

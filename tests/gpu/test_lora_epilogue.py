@@ -3,8 +3,10 @@
 Each kernel reads a projection output that is a column view of a wider matmul output (u in the
 columns after it, as lora/fused.py lays it out) and must add each row's `u Bᵀ` over the
 adapter's rank: rows of the adapter and of the base model side by side, ranks below and at the
-slice width and a rank of zero (a projection the adapter leaves out). Run on the GPU in float32
-and bfloat16 and, in float32, by Triton's interpreter in CI (tests/unit/engine/kernels).
+slice width and a rank of zero (a projection the adapter leaves out). With `LoRADeltas` (the
+deltas the LoRA kernels wrote beside the matmul) each kernel must give what it gives for the
+output with the deltas added first. Run on the GPU in float32 and bfloat16 and, in float32, by
+Triton's interpreter in CI (tests/unit/engine/kernels).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as functional
 
-from services.engine.kernels.triton.lora_epilogue import LoRAEpilogue
+from services.engine.kernels.triton.lora_epilogue import LoRADeltas, LoRAEpilogue
 
 
 def _deltas(u, bt, rows_on, rank, bounds, width, slice_width) -> torch.Tensor:
@@ -118,6 +120,70 @@ def check_rotary_epilogue(device, dtype, slice_width, head_dim, rows_on, rank, r
     lora = LoRAEpilogue(u, bt, rows_on, rank, slice_width)
     for got, want in zip(store(qkv, lora), store(summed, None), strict=True):
         torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
+def check_dense_deltas(device: str, dtype: torch.dtype) -> None:
+    """Each consumer kernel given a delta buffer (more rows than the step, as a graph's buffer
+    is) against the same kernel on the output with the delta added first."""
+    from services.engine.kernels.triton.rms_norm import rms_norm
+    from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
+    from services.engine.kernels.triton.swiglu import swiglu
+
+    generator = torch.Generator().manual_seed(1)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+
+    def randn(*shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    def summed(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return (y.float() + delta[: y.shape[0]].float()).to(dtype)
+
+    rows, hidden, eps = 5, 48, 1e-5
+    x, delta = randn(rows, hidden), randn(rows + 3, hidden)
+    delta[1].zero_()  # a row of the base model
+    weight = torch.rand(hidden, generator=generator).to(device=device, dtype=dtype)
+    for residual in (None, randn(rows, hidden)):
+        got = rms_norm(x, residual, weight, eps, lora=LoRADeltas(delta))
+        want = rms_norm(summed(x, delta), residual, weight, eps)
+        for got_part, want_part in zip(got, want, strict=True):
+            torch.testing.assert_close(got_part, want_part, **tolerance)
+        assert got[1].data_ptr() != x.data_ptr()  # the input itself is never written
+
+    inter = 40
+    gate_up, delta = randn(rows, 2 * inter), randn(rows + 3, 2 * inter)
+    torch.testing.assert_close(
+        swiglu(gate_up, lora=LoRADeltas(delta)), swiglu(summed(gate_up, delta)), **tolerance
+    )
+
+    heads, kv_heads, head_dim = 4, 2, 16
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv, delta = randn(rows, q_size + 2 * kv_size), randn(rows + 3, q_size + 2 * kv_size)
+    half = head_dim // 2
+    angles = torch.arange(64).float()[:, None] / (10000 ** (torch.arange(half).float() / half))
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    positions = torch.arange(rows, device=device) + 3
+    cache_slots = torch.tensor([0, -1, 2, 3, 17], device=device)
+
+    def store(source, lora):
+        key_cache = torch.zeros(2, 16, kv_heads, head_dim, dtype=dtype, device=device)
+        value_cache = torch.zeros_like(key_cache)
+        query, key, value = source.split([q_size, kv_size, kv_size], dim=-1)
+        out = rotary_kv_store(
+            query, key, value, positions, cos, sin, cache_slots, key_cache, value_cache,
+            lora=lora,
+        )  # fmt: skip
+        return out, key_cache, value_cache
+
+    got, want = store(qkv, LoRADeltas(delta)), store(summed(qkv, delta), None)
+    for got_part, want_part in zip(got, want, strict=True):
+        torch.testing.assert_close(got_part, want_part, **tolerance)
+    with pytest.raises(ValueError, match="does not cover"):
+        swiglu(gate_up, lora=LoRADeltas(delta[:, :inter]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_consumers_add_written_deltas(dtype) -> None:
+    check_dense_deltas("cuda", dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -138,6 +138,9 @@ class CudaFastPath:
         )
         self.graphs = DecodeCudaGraphs(self._graph_step, graph_buckets)
         self.ops = TritonOps()
+        # The projections whose output the kernel reading it next (norm, SwiGLU, the rotary
+        # store) can add a written LoRA delta to (LoRADeltas: lora/runtime.py, side_deltas).
+        self.delta_projections = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
         self._bind()
 
     # ---- binding --------------------------------------------------------------------------

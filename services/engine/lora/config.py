@@ -43,6 +43,9 @@ class LoRAConfig:
     # CUDA fast path: SwiGLU adds the gate_up deltas of steps of several adapters as it reads
     # them (lora/runtime.py: tile_consumer)
     fused_swiglu: bool = True
+    # CUDA fast path: decode graphs of several adapters run the LoRA kernels on a side stream
+    # beside each base matmul, the next kernel adding the written deltas (lora/runtime.py)
+    side_deltas: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "load_workers"):
@@ -57,7 +60,7 @@ class LoRAConfig:
         quantum = self.slot_quantum_ms
         if isinstance(quantum, bool) or not isinstance(quantum, int | float) or quantum < 0:
             raise InvalidArgumentError(f"slot_quantum_ms must be >= 0, got {quantum!r}")
-        for name in ("deterministic", "fused_decode", "fused_swiglu"):
+        for name in ("deterministic", "fused_decode", "fused_swiglu", "side_deltas"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.adapter_root is not None and (
@@ -87,4 +90,6 @@ class LoRAConfig:
             values["fused_decode"] = config.lora_fused_decode
         if hasattr(config, "lora_fused_swiglu"):
             values["fused_swiglu"] = config.lora_fused_swiglu
+        if hasattr(config, "lora_side_deltas"):
+            values["side_deltas"] = config.lora_side_deltas
         return cls(**values)

@@ -28,6 +28,13 @@ those the runner captures for steps of many adapters, do the same. Where the ker
 projection's output next can add the deltas itself (`tile_consumer`: the CUDA fast path's
 SwiGLU, for gate_up_proj), the runtime runs only the shrink and the plain base matmul and
 leaves the step's tiles for that kernel (`take`): the deltas never go through memory.
+
+With `side_deltas` (set by the runner while it captures the decode graphs of several adapters
+on the CUDA fast path, whose norm, SwiGLU and rotary kernels add a written delta as they load
+their input: `delta_projections`), each projection's shrink and expand run on a side stream
+beside the base matmul (the tuned one: any base), the expand writing every row's delta into a
+buffer of that projection; the kernel that reads the output next adds it (`take`). The LoRA
+kernels' chain of small latency-bound launches then leaves the step's critical path.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from services.engine.lora.torch_ops import add_lora, add_lora_grouped, write_lor
 
 if TYPE_CHECKING:  # the native CPU kernels are loaded by the CPU runner, when it has them
     from services.engine.kernels.cpu.cpu_native import CpuKernels
-    from services.engine.kernels.triton.lora_epilogue import LoRAEpilogue, LoRATiles
+    from services.engine.kernels.triton.lora_epilogue import LoRADeltas, LoRAEpilogue, LoRATiles
     from services.engine.lora.fused import FusedDecode
 
 KERNELS = ("torch", "triton")
@@ -140,7 +147,14 @@ class LoRARuntime:
         # On the CUDA fast path: the kernels that add deltas of the projections they read
         # (SwiGLU, gate_up_proj), and the output whose deltas await them (y, tiles).
         self.tile_consumer: TileConsumer | None = None
-        self._pending: tuple[torch.Tensor, LoRATiles] | None = None
+        # (y, its deltas, whether a column view of y may take them)
+        self._pending: tuple[torch.Tensor, LoRATiles | LoRADeltas, bool] | None = None
+        # On the CUDA fast path: the projections whose output's next kernel adds a written
+        # delta (set by the runner), and whether the graphs captured now compute the deltas
+        # beside the base matmul (project); each projection's delta buffer, made at first use.
+        self.delta_projections: frozenset[str] = frozenset()
+        self.side_deltas = False
+        self._delta_buffers: dict[str, torch.Tensor] = {}
         if kernels == "triton":
             self._init_kernel_buffers(max_rows)
 
@@ -343,6 +357,8 @@ class LoRARuntime:
         fused = self.fused
         if fused is not None and fused.capturing:
             return fused.project(layer, projection, x, base)
+        if self._beside_takes(projection, x):
+            return self._base_beside_deltas(layer, projection, x, base)
         weight = self._deltas_first_weight(layer, projection, x, base)
         if weight is not None:
             if self._consumer_takes(projection):
@@ -430,6 +446,56 @@ class LoRARuntime:
             self._expand_into(layer, projection, u, y, bound)
         return y
 
+    def _beside_takes(self, projection: str, x: torch.Tensor) -> bool:
+        """Whether `projection`'s deltas are computed beside its base matmul (side_deltas):
+        on a GPU, the kernels' path with tiles, no long run, the kernel reading the output
+        next adding a written delta, at most the rows of the widest graph."""
+        return (
+            self.side_deltas
+            and projection in self.delta_projections
+            and self._side_stream is not None
+            and x.is_cuda
+            and self._long.is_empty
+            and x.shape[0] <= min(max(self.graph_rows, 1), self.max_rows)
+            and self._kernel_bound() > 0
+        )
+
+    def _base_beside_deltas(
+        self,
+        layer: int,
+        projection: str,
+        x: torch.Tensor,
+        base: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """base(x), with this step's deltas of it written into the projection's delta buffer
+        on the side stream meanwhile (zeros for the base model's rows and a graph's padding:
+        the expand's write mode) and left for the kernel that reads the output next."""
+        from services.engine.kernels.triton.lora_epilogue import LoRADeltas
+
+        rows = x.shape[0]
+        delta = self._delta_buffer(layer, projection)[:rows]
+        bound = self._kernel_bound()
+        main, side = torch.cuda.current_stream(x.device), self._side_stream
+        side.wait_stream(main)  # x is written; the last layer's delta read
+        with torch.cuda.stream(side):
+            u = self._shrink_into(layer, projection, x, bound)
+            self._expand_into(layer, projection, u, delta, bound, write=True)
+        y = base(x)
+        main.wait_stream(side)
+        self._pending = (y, LoRADeltas(delta), True)
+        return y
+
+    def _delta_buffer(self, layer: int, projection: str) -> torch.Tensor:
+        """The buffer a graph step writes `projection`'s deltas into ([graph rows, out], B's
+        dtype; one for every layer: each layer's is read before the next layer's is written)."""
+        buffer = self._delta_buffers.get(projection)
+        if buffer is None:
+            b = self.slots.b[layer][projection]
+            rows = min(max(self.graph_rows, 1), self.max_rows)
+            buffer = torch.empty(rows, b.shape[1], dtype=b.dtype, device=b.device)
+            self._delta_buffers[projection] = buffer
+        return buffer
+
     def _consumer_takes(self, projection: str) -> bool:
         """Whether the kernel reading `projection`'s output next adds this step's deltas
         itself: a bound tile consumer of it asking this runtime, every row in a tile (no long
@@ -470,19 +536,22 @@ class LoRARuntime:
             tile_rows=TILE_ROWS,
             tile_bound=bound,
         )
-        self._pending = (y, tiles)
+        self._pending = (y, tiles, False)
 
-    def take(self, x: torch.Tensor) -> LoRAEpilogue | LoRATiles | None:
+    def take(self, x: torch.Tensor) -> LoRAEpilogue | LoRATiles | LoRADeltas | None:
         """The deltas awaiting the projection output `x` (EpilogueSource): the one-adapter
-        fold's while its graphs are captured, else the tiles `project` left; None if none."""
+        fold's while its graphs are captured, else the tiles or written deltas `project` left
+        (written deltas: for a column view of the output too, the rotary kernel's q); None if
+        none."""
         fused = self.fused
         if fused is not None and fused.pending is not None:
             return fused.take(x)
         pending = self._pending
         if pending is None:
             return None
-        y, tiles = pending
-        if x.data_ptr() != y.data_ptr() or x.shape != y.shape:
+        y, tiles, any_columns = pending
+        same_rows = x.data_ptr() == y.data_ptr() and x.shape[0] == y.shape[0]
+        if not same_rows or (x.shape != y.shape and not any_columns):
             return None
         self._pending = None
         return tiles

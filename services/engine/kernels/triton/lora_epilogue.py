@@ -57,10 +57,23 @@ class LoRATiles:
     tile_bound: int  # tiles the step may have (the grid covers this many)
 
 
+@dataclass(frozen=True)
+class LoRADeltas:
+    """Every row's adapter delta of a projection output, already written (by the LoRA kernels
+    on a side stream, beside the base matmul: services/engine/lora/runtime.py): a consumer
+    kernel adds `delta[row, column]` to each element of the output as it loads it. A row of
+    the base model has a delta of zeros."""
+
+    delta: torch.Tensor  # [>= rows, out], unit column stride, the output's dtype
+
+
+Epilogue = LoRAEpilogue | LoRATiles | LoRADeltas
+
+
 class EpilogueSource(Protocol):
     """Where a consumer kernel's caller finds the delta awaiting its input, if any."""
 
-    def take(self, x: torch.Tensor) -> LoRAEpilogue | LoRATiles | None:
+    def take(self, x: torch.Tensor) -> Epilogue | None:
         """The epilogue of the projection output `x` starts at; None when none awaits it."""
         ...
 
@@ -71,6 +84,24 @@ def epilogue_args(tensor: torch.Tensor, lora: LoRAEpilogue | None) -> tuple[tupl
     if lora is None:
         return (tensor, 0, tensor, tensor, tensor), {"HAS_LORA": False, "SLICE_WIDTH": CHUNK}
     return lora.kernel_args(), {"HAS_LORA": True, "SLICE_WIDTH": lora.slice_width}
+
+
+def delta_args(tensor: torch.Tensor, deltas: LoRADeltas | None) -> tuple[tuple, dict]:
+    """(positional, keyword) kernel arguments of `deltas` (delta, its row stride), or
+    placeholders never read when a kernel runs without them (`tensor` any tensor of the call)."""
+    if deltas is None:
+        return (tensor, 0), {"HAS_DELTA": False}
+    return (deltas.delta, deltas.delta.stride(0)), {"HAS_DELTA": True}
+
+
+def check_deltas(deltas: LoRADeltas, rows: int, width: int) -> None:
+    """The delta a consumer of `rows` rows of a `width`-column output reads (raises ValueError
+    otherwise)."""
+    delta = deltas.delta
+    if delta.dim() != 2 or delta.shape[0] < rows or delta.shape[1] != width:
+        raise ValueError(f"delta {tuple(delta.shape)} does not cover {rows} rows of {width}")
+    if delta.stride(1) != 1:
+        raise ValueError("delta needs a unit column stride")
 
 
 @triton.jit

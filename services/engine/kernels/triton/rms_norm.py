@@ -4,7 +4,8 @@ Llama runs `residual = x + residual; x = rms_norm(residual) * weight` twice per 
 the add into the norm saves two passes over the hidden states, which matters in decode where
 every step is a chain of small memory-bound kernels. x may be a row view of a wider tensor
 (unit column stride); with a `LoRAEpilogue` (kernels/triton/lora_epilogue.py) each row of x
-first gets its adapter's delta, read from the columns the projection's matmul wrote beside it.
+first gets its adapter's delta, read from the columns the projection's matmul wrote beside it;
+with `LoRADeltas`, the delta the LoRA kernels wrote beside the matmul.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import triton.language as tl
 
 from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
 from services.engine.kernels.triton.lora_epilogue import (
+    LoRADeltas,
     LoRAEpilogue,
     check,
+    check_deltas,
+    delta_args,
     epilogue_args,
     lora_delta,
     row_rank,
@@ -38,8 +42,11 @@ def _rms_norm_kernel(
     bt_ptr,
     rows_on_ptr,
     rank_ptr,
+    delta_ptr,
+    delta_stride,
     HAS_RESIDUAL: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
     SLICE_WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -54,9 +61,12 @@ def _rms_norm_kernel(
         u_row = u_ptr + row * u_stride
         x = x.to(tl.float32)
         x += lora_delta(u_row, bt_ptr, hidden_size, offsets, mask, rank, SLICE_WIDTH)
-        if not HAS_RESIDUAL:
-            x = x.to(residual_out_ptr.dtype.element_ty)
-            tl.store(residual_out_ptr + row * hidden_size + offsets, x, mask=mask)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + row * delta_stride + offsets, mask=mask, other=0.0)
+        x = x.to(tl.float32) + delta.to(tl.float32)
+    if (HAS_LORA or HAS_DELTA) and not HAS_RESIDUAL:
+        x = x.to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * hidden_size + offsets, x, mask=mask)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * hidden_size + offsets, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
@@ -90,17 +100,20 @@ def rms_norm(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    lora: LoRAEpilogue | None = None,
+    lora: LoRAEpilogue | LoRADeltas | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual) for x [T, H]; new_residual = x + residual, or x when None.
 
     With `lora`, x + each row's LoRA delta stands for x (and is the new residual when there is
     none)."""
+    deltas = lora if isinstance(lora, LoRADeltas) else None
+    if deltas is not None:
+        lora = None
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, hidden_size = x.shape
     out = torch.empty((rows, hidden_size), dtype=x.dtype, device=x.device)
-    if residual is None and lora is None:
+    if residual is None and lora is None and deltas is None:
         residual_out = x
     else:
         residual_out = torch.empty_like(out)
@@ -110,7 +123,10 @@ def rms_norm(
         return out, residual_out
     if lora is not None:
         check(lora, rows, hidden_size, 1)
+    if deltas is not None:
+        check_deltas(deltas, rows, hidden_size)
     lora_args, lora_options = epilogue_args(x, lora)
+    extra_args, extra_options = delta_args(x, deltas)
     block = triton.next_power_of_2(hidden_size)
     _launch_rms_norm(
         (rows,),
@@ -123,8 +139,10 @@ def rms_norm(
         x.stride(0),
         eps,
         *lora_args,
+        *extra_args,
         HAS_RESIDUAL=residual is not None,
         **lora_options,
+        **extra_options,
         BLOCK=block,
         num_warps=norm_warps(block),
         **pdl_options(x.device),

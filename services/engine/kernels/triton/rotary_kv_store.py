@@ -7,7 +7,8 @@ tensor and rotated k plus v into the cache slot `slot_mapping[t]` (slot < 0: pad
 With `rotate=False` it is the plain KV-cache store. Into a float8 cache (kv_cache_dtype fp8)
 keys and values are clamped to float8 e4m3's range (+-448) before they are rounded. With a
 `LoRAEpilogue` (kernels/triton/lora_epilogue.py) q, k and v first get each token's adapter
-delta (slices 0, 1 and 2 of u; Bᵀ over the whole QKV output).
+delta (slices 0, 1 and 2 of u; Bᵀ over the whole QKV output); with `LoRADeltas`, the deltas
+the LoRA kernels wrote beside the matmul (laid out as the QKV output).
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import triton.language as tl
 
 from services.engine.kernels.triton.launch import CachedLaunch, pdl_options, pdl_prologue
 from services.engine.kernels.triton.lora_epilogue import (
+    LoRADeltas,
     LoRAEpilogue,
     block_options,
     block_ranks,
     check,
+    check_deltas,
+    delta_args,
     epilogue_args,
     lora_block_delta,
     lora_delta,
@@ -52,12 +56,15 @@ def _rotary_kv_store_kernel(
     bt_ptr,
     rows_on_ptr,
     rank_ptr,
+    delta_ptr,
+    delta_stride,
     HEAD_DIM: tl.constexpr,
     HEADS_P: tl.constexpr,
     KV_HEADS_P: tl.constexpr,
     ROTATE: tl.constexpr,
     HAS_LORA: tl.constexpr,
     SLICE_WIDTH: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
@@ -84,6 +91,10 @@ def _rotary_kv_store_kernel(
         width = q_size + 2 * kv_size
         q1 += lora_delta(u_row, bt_ptr, width, q_offsets, q_mask, rank, SLICE_WIDTH)
         q2 += lora_delta(u_row, bt_ptr, width, q_offsets + half, q_mask, rank, SLICE_WIDTH)
+    delta_row = delta_ptr + token * delta_stride  # [q | k | v] as the QKV output
+    if HAS_DELTA:
+        q1 += tl.load(delta_row + q_offsets, mask=q_mask, other=0.0).to(tl.float32)
+        q2 += tl.load(delta_row + q_offsets + half, mask=q_mask, other=0.0).to(tl.float32)
     if ROTATE:
         q1, q2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
     out_base = q_out_ptr + token * num_heads * HEAD_DIM + q_offsets
@@ -102,6 +113,10 @@ def _rotary_kv_store_kernel(
             k_columns = q_size + kv_offsets
             k1 += lora_delta(u_k, bt_ptr, width, k_columns, kv_mask, rank, SLICE_WIDTH)
             k2 += lora_delta(u_k, bt_ptr, width, k_columns + half, kv_mask, rank, SLICE_WIDTH)
+        if HAS_DELTA:
+            k_delta = delta_row + q_size + kv_offsets
+            k1 += tl.load(k_delta, mask=kv_mask, other=0.0).to(tl.float32)
+            k2 += tl.load(k_delta + half, mask=kv_mask, other=0.0).to(tl.float32)
         if ROTATE:
             k1, k2 = k1 * cos - k2 * sin, k2 * cos + k1 * sin
         v1 = tl.load(v_ptr + token * kv_stride + kv_offsets, mask=kv_mask, other=0.0)
@@ -113,6 +128,10 @@ def _rotary_kv_store_kernel(
             v2 = v2.to(tl.float32)
             v1 += lora_delta(u_v, bt_ptr, width, v_columns, kv_mask, rank, SLICE_WIDTH)
             v2 += lora_delta(u_v, bt_ptr, width, v_columns + half, kv_mask, rank, SLICE_WIDTH)
+        if HAS_DELTA:
+            v_delta = delta_row + q_size + kv_size + kv_offsets
+            v1 = v1.to(tl.float32) + tl.load(v_delta, mask=kv_mask, other=0.0).to(tl.float32)
+            v2 = v2.to(tl.float32) + tl.load(v_delta + half, mask=kv_mask, other=0.0).to(tl.float32)
         cache_base = slot * num_kv_heads * HEAD_DIM + kv_offsets
         element = key_cache_ptr.dtype.element_ty
         if element == tl.float8e4nv:  # kv_cache_dtype fp8: saturate, never NaN past its range
@@ -223,13 +242,17 @@ def rotary_kv_store(
     value_cache: torch.Tensor,
     *,
     rotate: bool = True,
-    lora: LoRAEpilogue | None = None,
+    lora: LoRAEpilogue | LoRADeltas | None = None,
 ) -> torch.Tensor:
     """Rotated query [T, heads, head_dim]; rotated key and value written into the caches.
 
     query [T, heads * head_dim] and key/value [T, kv_heads * head_dim] may be column views of
     one QKV tensor (unit stride inside a token). cos/sin: [max_position, head_dim // 2] float32.
+    `lora`: each token's adapter delta of q | k | v, added before the rotation.
     """
+    deltas = lora if isinstance(lora, LoRADeltas) else None
+    if deltas is not None:
+        lora = None
     tokens = query.shape[0]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_heads = query.shape[-1] // head_dim if query.dim() == 2 else query.shape[1]
@@ -253,7 +276,10 @@ def rotary_kv_store(
                 num_warps=4, **pdl_options(q_out.device),
             )  # fmt: skip
             return q_out
+    if deltas is not None:
+        check_deltas(deltas, tokens, query2d.shape[1] + 2 * key2d.shape[1])
     lora_args, lora_options = epilogue_args(query2d, lora)
+    extra_args, extra_options = delta_args(query2d, deltas)
     _launch_rotary(
         (tokens,),
         query2d,
@@ -271,11 +297,13 @@ def rotary_kv_store(
         num_heads,
         num_kv_heads,
         *lora_args,
+        *extra_args,
         HEAD_DIM=head_dim,
         HEADS_P=triton.next_power_of_2(num_heads),
         KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
         ROTATE=rotate,
         **lora_options,
+        **extra_options,
         num_warps=4,
         **pdl_options(q_out.device),
     )

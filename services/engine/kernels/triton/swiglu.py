@@ -6,6 +6,7 @@ input may be a row view of a wider tensor; with a `LoRAEpilogue` (kernels/triton
 gate and up first get each row's adapter delta (slices 0 and 1 of u). With `LoRATiles` (a step
 of several adapters) the kernel walks the step's tiles of rows instead, each tile's gate and up
 getting u times its slot's B (as lora_expand computes it): the deltas never go through memory.
+With `LoRADeltas` gate and up first get the deltas the LoRA kernels wrote beside the matmul.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from services.engine.kernels.triton.launch import (
     pdl_wait,
 )
 from services.engine.kernels.triton.lora_epilogue import (
-    LoRAEpilogue,
+    Epilogue,
+    LoRADeltas,
     LoRATiles,
     block_options,
     block_ranks,
     check,
+    check_deltas,
+    delta_args,
     lora_block_delta,
 )
 from services.engine.kernels.triton.lora_shrink import (
@@ -40,8 +44,8 @@ TILES_BLOCK_N = 128  # intermediate columns a work item of the tiles kernel cove
 
 @triton.jit
 def _swiglu_kernel(
-    gate_up_ptr, out_ptr, intermediate_size, row_stride, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    gate_up_ptr, out_ptr, intermediate_size, row_stride, delta_ptr, delta_stride,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -50,6 +54,10 @@ def _swiglu_kernel(
     base = gate_up_ptr + row * row_stride
     gate = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(base + intermediate_size + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:  # each row's LoRA delta, written beside the matmul
+        deltas = delta_ptr + row * delta_stride + offsets
+        gate += tl.load(deltas, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(deltas + intermediate_size, mask=mask, other=0.0).to(tl.float32)
     activated = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(
         out_ptr + row * intermediate_size + offsets,
@@ -180,7 +188,7 @@ _launch_swiglu_tiles = CachedLaunch(_swiglu_tiles_kernel)
 _launch_swiglu = CachedLaunch(_swiglu_kernel)
 
 
-def swiglu(gate_up: torch.Tensor, lora: LoRAEpilogue | LoRATiles | None = None) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, lora: Epilogue | None = None) -> torch.Tensor:
     """silu(gate_up[:, :I]) * gate_up[:, I:] for gate_up [T, 2 * I]; returns [T, I]. With
     `lora`, gate_up + each row's LoRA delta stands for gate_up (LoRATiles: every row of the
     step must be in one of its tiles; the tiles kernel writes only those)."""
@@ -195,7 +203,10 @@ def swiglu(gate_up: torch.Tensor, lora: LoRAEpilogue | LoRATiles | None = None) 
     if isinstance(lora, LoRATiles):
         _swiglu_tiles(gate_up, out, lora, pdl)
         return out
-    if lora is not None:
+    deltas = lora if isinstance(lora, LoRADeltas) else None
+    if deltas is not None:
+        check_deltas(deltas, rows, width)
+    elif lora is not None:
         check(lora, rows, width, 2)
         block_m, block = 16, 128
         grid = (triton.cdiv(rows, block_m), triton.cdiv(intermediate_size, block))
@@ -206,9 +217,11 @@ def swiglu(gate_up: torch.Tensor, lora: LoRAEpilogue | LoRATiles | None = None) 
         return out
     block = 1024
     grid = (rows, triton.cdiv(intermediate_size, block))
-    _launch_swiglu(
-        grid, gate_up, out, intermediate_size, gate_up.stride(0), BLOCK=block, num_warps=4, **pdl
-    )
+    extra_args, extra_options = delta_args(gate_up, deltas)
+    _launch_swiglu(grid,
+        gate_up, out, intermediate_size, gate_up.stride(0), *extra_args, **extra_options,
+        BLOCK=block, num_warps=4, **pdl,
+    )  # fmt: skip
     return out
 
 

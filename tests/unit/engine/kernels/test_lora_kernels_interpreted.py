@@ -8,7 +8,8 @@ long runs through cuBLAS beside the kernels, a plain base matmul adding onto del
 first (the kernels' too, or added after it), a step narrower than its CUDA graph bucket,
 SwiGLU adding a step's tile deltas as it reads gate and up (check_swiglu_tiles); and
 the one-adapter LoRA epilogues of the norm, SwiGLU and rotary kernels
-(tests/gpu/test_lora_epilogue.py). The
+(tests/gpu/test_lora_epilogue.py), and those kernels adding deltas written beside the matmul.
+The
 interpreter has no bfloat16 and no CUDA graphs; those run on a GPU. `TRITON_INTERPRET` is read
 when a kernel module is imported, so the checks run in a child process.
 """
@@ -50,10 +51,12 @@ from tests.gpu.test_lora_kernels import check_swiglu_tiles
 for kind, rows, pad in (("distinct", 20, 0), ("runs", 90, 0), ("distinct", 13, 6)):
     check_swiglu_tiles("cpu", "tiny", torch.float32, kind, rows, 16, graph_pad=pad)
 print("ok swiglu tiles", flush=True)
-from tests.gpu.test_lora_epilogue import check_epilogues
+from tests.gpu.test_lora_epilogue import check_dense_deltas, check_epilogues
 for width in (8, 12):
     check_epilogues("cpu", torch.float32, width)
 print("ok epilogues", flush=True)
+check_dense_deltas("cpu", torch.float32)
+print("ok written deltas", flush=True)
 """
 
 
@@ -69,4 +72,4 @@ def test_kernels_match_the_torch_path_in_the_interpreter() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == len(CASES) + 3
+    assert result.stdout.count("ok ") == len(CASES) + 4

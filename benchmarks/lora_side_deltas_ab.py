@@ -37,6 +37,7 @@ from benchmarks.lora_bench import (
     with_slots,
 )
 from services.common.model_files import ModelFiles
+from services.engine.forward_batch import ScheduledBatch
 from services.engine.lora.config import LoRAConfig
 from services.engine.lora.engine_adapters import EngineAdapters
 
@@ -79,9 +80,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sync = torch.cuda.synchronize
     blocks = Blocks(runner.num_blocks)
     cases = cases_for(args.max_rows)
-    batches = {
-        rows: decode_batch(blocks, rows, args.context, config.vocab_size) for rows, _ in cases
-    }
+    widest = decode_batch(blocks, max(rows for rows, _ in cases), args.context, config.vocab_size)
+    batches = {rows: ScheduledBatch(widest.sequences[:rows]) for rows, _ in cases}
     it = args.iterations
     base = {
         rows: time_steps(runner_step(runner, None, batch), it, sync)

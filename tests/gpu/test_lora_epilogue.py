@@ -130,7 +130,9 @@ def check_dense_deltas(device: str, dtype: torch.dtype) -> None:
     from services.engine.kernels.triton.swiglu import swiglu
 
     generator = torch.Generator().manual_seed(1)
-    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    # bfloat16: the kernels add in float32, the reference rounds the sum to bfloat16 first
+    tight = dtype == torch.float32
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if tight else {"rtol": 2e-2, "atol": 2e-2}
 
     def randn(*shape) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)

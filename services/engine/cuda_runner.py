@@ -272,10 +272,15 @@ class CudaModelRunner(BaseModelRunner):
         side stream beside each base matmul (lora/runtime.py); otherwise "lora" (the shrink
         beside the matmul up to SIDE_SHRINK_MAX_ROWS rows, deltas first above) and "lora-many"
         for the small buckets (deltas first)."""
+        from services.engine.lora.batch import LoRABatch
+
         graphs = self.fast.graphs
         graphs.drop(LORA_GRAPHS)
         graphs.drop(LORA_MANY_GRAPHS)
         side_deltas = side_deltas and bool(runtime.delta_projections)
+        # No tiles while the warm-up steps run the kernels eagerly: a step's layout left from
+        # serving names rows past a smaller bucket's.
+        runtime.set_batch(LoRABatch(0))
         small = min(runtime.side_shrink_max_rows, runtime.max_rows)
         started = time.perf_counter()
         runtime.launch_always = True

@@ -191,12 +191,13 @@ class EngineConfig:
         "tensor-parallel engines)",
     )
     lora_side_deltas: bool = field(
-        False,
+        True,
         help="on a GPU, decode steps of several adapters run each projection's LoRA kernels "
         "on a second stream beside its base matmul, the kernel that reads the projection "
-        "next adding the deltas they wrote (their launches leave the step's critical path; "
-        "a delta buffer of the widest decode graph's rows per projection, ~44 MB at 512 rows "
-        "of an 8B model); off: the LoRA kernels run in line with the matmuls",
+        "next adding the deltas they wrote (1-3 %% off such steps of an 8B model on an H100, "
+        "BENCHMARKS.md; a delta buffer of the widest decode graph's rows per projection, "
+        "~44 MB at 512 rows of an 8B model); --no-lora-side-deltas runs them in line with "
+        "the matmuls",
     )
 
     def __post_init__(self) -> None:

@@ -60,7 +60,7 @@ def _llm(
     max_loras: int = 2,
     fused_decode: bool = True,
     fused_swiglu: bool = True,
-    side_deltas: bool = False,
+    side_deltas: bool = True,
     kv_cache_bytes: int = 16 << 20,
     swap_space_gib: float | None = None,
 ) -> LLM:
@@ -124,7 +124,7 @@ def test_mixed_adapters_on_cuda_match_alone_and_the_cpu_engine(model_dir: Path) 
     assert agreeing >= len(jobs) * MAX_TOKENS // 2
     assert gpu.engine.adapters.manager.num_slot_writes > 2  # two slots served four adapters
     graphs = gpu.engine.runner.fast.graphs
-    assert graphs.variants == ("base", "lora", "lora-many", "lora-one")
+    assert graphs.variants == ("base", "lora", "lora-one")  # "lora": LoRA kernels beside
     assert graphs.replays["lora-one"] > 0  # each adapter alone
     lora_replays = graphs.replays["lora"]
     assert lora_replays > 0
@@ -171,10 +171,11 @@ def test_steps_of_one_adapter_fold_its_lora_into_the_base_kernels(model_dir: Pat
 def test_steps_of_many_adapters_replay_their_own_graphs_and_keep_every_token(
     model_dir: Path,
 ) -> None:
-    """Four adapters resident at once: decode steps of all four replay the graphs whose deltas
-    go before the base matmul ("lora-many", the base model's rows and the bucket's padding
-    written as zeros); each request's tokens stay those it gets alone."""
-    gpu = _llm(model_dir, "cuda", max_loras=4)
+    """Four adapters resident at once, the LoRA kernels in line (--no-lora-side-deltas):
+    decode steps of all four replay the graphs whose deltas go before the base matmul
+    ("lora-many", the base model's rows and the bucket's padding written as zeros); each
+    request's tokens stay those it gets alone."""
+    gpu = _llm(model_dir, "cuda", max_loras=4, side_deltas=False)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     # Every adapter read from disk and in a slot first: loads run beside the steps, so a
     # request whose adapter is still loading would start steps later than the others.
@@ -248,11 +249,11 @@ def test_paused_sequences_swapped_to_pinned_host_memory_keep_every_token(model_d
 
 def test_swiglu_taking_gate_up_deltas_keeps_every_token(model_dir: Path) -> None:
     """SwiGLU taking gate_up's deltas (the default) in steps of several adapters (eager
-    prefill and mixed steps, the graphs of many adapters): each request's greedy tokens are
-    those of an engine that writes every delta first (--no-lora-fused-swiglu), and the
-    warm-up compiles that kernel too."""
-    fused = _llm(model_dir, "cuda", max_loras=4)
-    plain = _llm(model_dir, "cuda", max_loras=4, fused_swiglu=False)
+    prefill and mixed steps, and, the LoRA kernels in line, the graphs of many adapters):
+    each request's greedy tokens are those of an engine that writes every delta first
+    (--no-lora-fused-swiglu), and the warm-up compiles that kernel too."""
+    fused = _llm(model_dir, "cuda", max_loras=4, side_deltas=False)
+    plain = _llm(model_dir, "cuda", max_loras=4, fused_swiglu=False, side_deltas=False)
     runtime = fused.engine.adapters.runtime
     assert runtime.tile_consumer is not None and plain.engine.adapters.runtime.tile_consumer is None
     # per row count the shrink and both expands of each projection, and for gate_up the
@@ -274,13 +275,13 @@ def test_swiglu_taking_gate_up_deltas_keeps_every_token(model_dir: Path) -> None
 
 
 def test_lora_kernels_beside_the_matmuls_keep_every_token(model_dir: Path) -> None:
-    """--lora-side-deltas: decode graphs of several adapters run each projection's LoRA
-    kernels on a second stream beside its base matmul, and the norm, SwiGLU and rotary kernels
-    add the deltas they wrote. Each request's greedy tokens (base rows, a bucket's padding and
-    four adapters in one step) are those of the engine running the kernels in line, and their
-    log-probabilities agree; no "lora-many" graphs are captured."""
+    """--lora-side-deltas (the default): decode graphs of several adapters run each
+    projection's LoRA kernels on a second stream beside its base matmul, and the norm, SwiGLU
+    and rotary kernels add the deltas they wrote. Each request's greedy tokens (base rows, a
+    bucket's padding and four adapters in one step) are those of the engine running the
+    kernels in line, and their log-probabilities agree; no "lora-many" graphs are captured."""
     beside = _llm(model_dir, "cuda", max_loras=4, side_deltas=True)
-    inline = _llm(model_dir, "cuda", max_loras=4)
+    inline = _llm(model_dir, "cuda", max_loras=4, side_deltas=False)
     graphs = beside.engine.runner.fast.graphs
     assert "lora" in graphs.variants and "lora-many" not in graphs.variants
     assert "lora-many" in inline.engine.runner.fast.graphs.variants

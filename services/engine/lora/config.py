@@ -45,7 +45,7 @@ class LoRAConfig:
     fused_swiglu: bool = True
     # CUDA fast path: decode graphs of several adapters run the LoRA kernels on a side stream
     # beside each base matmul, the next kernel adding the written deltas (lora/runtime.py)
-    side_deltas: bool = False
+    side_deltas: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "load_workers"):

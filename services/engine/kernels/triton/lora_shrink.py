@@ -63,11 +63,12 @@ def _add_splits(
     SPLIT_K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """Store this split's partial; the tile's last split to arrive sums all of them in split
-    order into u and resets the tile's counter."""
+    order into u and resets the tile's counter. Only the tile's rows (u_mask) are stored and
+    read back: a tile of one row (a decode step of many adapters) moves 1/BLOCK_M of a full
+    tile's partials."""
     tile_base = partials_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * WIDTH)
     offsets = offs_m[:, None] * WIDTH + offs_j[None, :]
-    mask = (offs_m < BLOCK_M)[:, None] & (offs_j < WIDTH)[None, :]
-    tl.store(tile_base + split * (BLOCK_M * WIDTH) + offsets, acc, mask=mask)
+    tl.store(tile_base + split * (BLOCK_M * WIDTH) + offsets, acc, mask=u_mask)
     tl.debug_barrier()  # every thread's stores issued before the release below
     arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLIT_K - 1:
@@ -75,7 +76,7 @@ def _add_splits(
         for index in range(SPLIT_K):
             total += tl.load(
                 tile_base + index * (BLOCK_M * WIDTH) + offsets,
-                mask=mask,
+                mask=u_mask,
                 other=0.0,
                 cache_modifier=".cg",  # from L2: another SM wrote it
             )

@@ -99,6 +99,17 @@ def test_the_fused_swiglu_flag_is_on_by_default_and_reaches_the_lora_config() ->
         LoRAConfig(fused_swiglu=1)
 
 
+def test_the_side_deltas_flag_is_on_by_default_and_reaches_the_lora_config() -> None:
+    from services.engine.worker_config import WorkerConfig
+
+    assert LoRAConfig().side_deltas
+    assert LoRAConfig.from_engine_config(EngineConfig()).side_deltas
+    engine = WorkerConfig.from_argv(["--no-lora-side-deltas"]).engine
+    assert not LoRAConfig.from_engine_config(engine).side_deltas
+    with pytest.raises(InvalidArgumentError, match="side_deltas"):
+        LoRAConfig(side_deltas="on")
+
+
 def test_deltas_are_left_to_a_kernel_only_while_it_runs_the_model_and_asks_this_runtime() -> None:
     """LoRARuntime leaves gate_up's deltas to SwiGLU (tile_consumer) only where that kernel
     will run next and ask it: the fast path bound (not its plain-torch reference mode), its

@@ -32,3 +32,21 @@ def test_a_run_is_a_function_of_its_settings() -> None:
     assert run(build_parser().parse_args(args)) == first
     saturation = run(build_parser().parse_args([a for a in args if a not in ("--rate", "20")]))
     assert saturation["saturation_req_s"] > 0 and "saturation_req_s" not in first
+
+
+def test_swap_space_moves_paused_sequences_instead_of_preempting_them() -> None:
+    """A KV cache too small for the paused sequences of 12 adapters on 2 slots: without swap
+    space they are preempted (their KV recomputed); with host blocks many move out instead,
+    every request still finishes, and the modelled clock charges the copies."""
+    tight = [
+        *("--adapters", "12", "--max-loras", "2", "--rate", "40", "--duration-s", "3"),
+        *("--max-num-seqs", "32", "--prompt-len", "32", "--max-tokens", "96"),
+        *("--num-blocks", "60", "--saturation-requests", "40"),
+    ]
+    without = run(build_parser().parse_args([*tight, "--swap-blocks", "0"]))["lora"]
+    with_swap = run(build_parser().parse_args([*tight, "--swap-blocks", "200"]))["lora"]
+    assert without["requests"] == with_swap["requests"] == 120
+    assert without["swap_outs"] == 0 and without["mean_swapped"] == 0
+    assert without["preemptions"] > 0
+    assert with_swap["swap_outs"] > 0 and with_swap["mean_swapped"] > 0
+    assert with_swap["preemptions"] < without["preemptions"]

@@ -87,36 +87,45 @@ def check_epilogues_of_rank(device: str, dtype: torch.dtype, slice_width: int, r
         check_rotary_epilogue(device, dtype, slice_width, head_dim, rows_on, rank, randn)
 
 
-def check_rotary_epilogue(device, dtype, slice_width, head_dim, rows_on, rank, randn) -> None:
+HEADS, KV_HEADS = 4, 2
+
+
+def _rotary_store(head_dim: int, cache_slots: list[int], dtype: torch.dtype, device: str):
+    """A function of (q | k | v rows, lora) giving the rotary kernel's rotated q and the
+    caches it wrote, for tokens at positions 3, 4, ... into `cache_slots` (-1: padding)."""
     from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
 
+    q_size, kv_size = HEADS * head_dim, KV_HEADS * head_dim
+    half = head_dim // 2
+    angles = torch.arange(64).float()[:, None] / (10000 ** (torch.arange(half).float() / half))
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    positions = torch.arange(len(cache_slots), device=device) + 3
+    slots = torch.tensor(cache_slots, device=device)
+
+    def store(source, lora):
+        key_cache = torch.zeros(2, 16, KV_HEADS, head_dim, dtype=dtype, device=device)
+        value_cache = torch.zeros_like(key_cache)
+        query, key, value = source.split([q_size, kv_size, kv_size], dim=-1)
+        out = rotary_kv_store(
+            query, key, value, positions, cos, sin, slots, key_cache, value_cache, lora=lora
+        )
+        return out, key_cache, value_cache
+
+    return store
+
+
+def check_rotary_epilogue(device, dtype, slice_width, head_dim, rows_on, rank, randn) -> None:
     rows = 6
     tight = dtype == torch.float32
     tolerance = {"rtol": 1e-4, "atol": 1e-4} if tight else {"rtol": 3e-2, "atol": 3e-2}
-    heads, kv_heads = 4, 2
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    q_size, kv_size = HEADS * head_dim, KV_HEADS * head_dim
     width = q_size + 2 * kv_size
     wide = randn(rows, width + 3 * slice_width)
     qkv, u = wide[:, :width], wide[:, width:]
     bt = randn(slice_width, width)
     bounds = [(0, q_size), (q_size, q_size + kv_size), (q_size + kv_size, width)]
     summed = (qkv.float() + _deltas(u, bt, rows_on, rank, bounds, width, slice_width)).to(dtype)
-    half = head_dim // 2
-    angles = torch.arange(64).float()[:, None] / (10000 ** (torch.arange(half).float() / half))
-    cos, sin = angles.cos().to(device), angles.sin().to(device)
-    positions = torch.arange(rows, device=device) + 3
-    cache_slots = torch.tensor([0, 1, -1, 3, 4, 17], device=device)
-
-    def store(source, lora):
-        key_cache = torch.zeros(2, 16, kv_heads, head_dim, dtype=dtype, device=device)
-        value_cache = torch.zeros_like(key_cache)
-        query, key, value = source.split([q_size, kv_size, kv_size], dim=-1)
-        out = rotary_kv_store(
-            query, key, value, positions, cos, sin, cache_slots, key_cache, value_cache,
-            lora=lora,
-        )  # fmt: skip
-        return out, key_cache, value_cache
-
+    store = _rotary_store(head_dim, [0, 1, -1, 3, 4, 17], dtype, device)
     lora = LoRAEpilogue(u, bt, rows_on, rank, slice_width)
     for got, want in zip(store(qkv, lora), store(summed, None), strict=True):
         torch.testing.assert_close(got.float(), want.float(), **tolerance)
@@ -126,7 +135,6 @@ def check_dense_deltas(device: str, dtype: torch.dtype) -> None:
     """Each consumer kernel given a delta buffer (more rows than the step, as a graph's buffer
     is) against the same kernel on the output with the delta added first."""
     from services.engine.kernels.triton.rms_norm import rms_norm
-    from services.engine.kernels.triton.rotary_kv_store import rotary_kv_store
     from services.engine.kernels.triton.swiglu import swiglu
 
     generator = torch.Generator().manual_seed(1)
@@ -157,25 +165,9 @@ def check_dense_deltas(device: str, dtype: torch.dtype) -> None:
         swiglu(gate_up, lora=LoRADeltas(delta)), swiglu(summed(gate_up, delta)), **tolerance
     )
 
-    heads, kv_heads, head_dim = 4, 2, 16
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    qkv, delta = randn(rows, q_size + 2 * kv_size), randn(rows + 3, q_size + 2 * kv_size)
-    half = head_dim // 2
-    angles = torch.arange(64).float()[:, None] / (10000 ** (torch.arange(half).float() / half))
-    cos, sin = angles.cos().to(device), angles.sin().to(device)
-    positions = torch.arange(rows, device=device) + 3
-    cache_slots = torch.tensor([0, -1, 2, 3, 17], device=device)
-
-    def store(source, lora):
-        key_cache = torch.zeros(2, 16, kv_heads, head_dim, dtype=dtype, device=device)
-        value_cache = torch.zeros_like(key_cache)
-        query, key, value = source.split([q_size, kv_size, kv_size], dim=-1)
-        out = rotary_kv_store(
-            query, key, value, positions, cos, sin, cache_slots, key_cache, value_cache,
-            lora=lora,
-        )  # fmt: skip
-        return out, key_cache, value_cache
-
+    width = (HEADS + 2 * KV_HEADS) * 16
+    qkv, delta = randn(rows, width), randn(rows + 3, width)
+    store = _rotary_store(16, [0, -1, 2, 3, 17], dtype, device)
     got, want = store(qkv, LoRADeltas(delta)), store(summed(qkv, delta), None)
     for got_part, want_part in zip(got, want, strict=True):
         torch.testing.assert_close(got_part, want_part, **tolerance)

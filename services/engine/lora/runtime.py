@@ -456,7 +456,7 @@ class LoRARuntime:
             and self._side_stream is not None
             and x.is_cuda
             and self._long.is_empty
-            and x.shape[0] <= min(max(self.graph_rows, 1), self.max_rows)
+            and x.shape[0] <= self._delta_rows()
             and self._kernel_bound() > 0
         )
 
@@ -485,14 +485,17 @@ class LoRARuntime:
         self._pending = (y, LoRADeltas(delta), True)
         return y
 
+    def _delta_rows(self) -> int:
+        """The rows of a delta buffer: the widest decode graph's (at most max_rows)."""
+        return min(max(self.graph_rows, 1), self.max_rows)
+
     def _delta_buffer(self, layer: int, projection: str) -> torch.Tensor:
         """The buffer a graph step writes `projection`'s deltas into ([graph rows, out], B's
         dtype; one for every layer: each layer's is read before the next layer's is written)."""
         buffer = self._delta_buffers.get(projection)
         if buffer is None:
             b = self.slots.b[layer][projection]
-            rows = min(max(self.graph_rows, 1), self.max_rows)
-            buffer = torch.empty(rows, b.shape[1], dtype=b.dtype, device=b.device)
+            buffer = torch.empty(self._delta_rows(), b.shape[1], dtype=b.dtype, device=b.device)
             self._delta_buffers[projection] = buffer
         return buffer
 

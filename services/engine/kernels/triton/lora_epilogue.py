@@ -86,22 +86,29 @@ def epilogue_args(tensor: torch.Tensor, lora: LoRAEpilogue | None) -> tuple[tupl
     return lora.kernel_args(), {"HAS_LORA": True, "SLICE_WIDTH": lora.slice_width}
 
 
-def delta_args(tensor: torch.Tensor, deltas: LoRADeltas | None) -> tuple[tuple, dict]:
-    """(positional, keyword) kernel arguments of `deltas` (delta, its row stride), or
-    placeholders never read when a kernel runs without them (`tensor` any tensor of the call)."""
+def split_deltas(lora: Epilogue | None) -> tuple[Epilogue | None, LoRADeltas | None]:
+    """(lora, None), or (None, the deltas) where `lora` is written deltas: a consumer kernel
+    takes those through `delta_args`, beside whatever else it takes."""
+    if isinstance(lora, LoRADeltas):
+        return None, lora
+    return lora, None
+
+
+def delta_args(
+    tensor: torch.Tensor, deltas: LoRADeltas | None, rows: int, width: int
+) -> tuple[tuple, dict]:
+    """(positional, keyword) kernel arguments of `deltas` (delta, its row stride) for a consumer
+    of `rows` rows of a `width`-column output (raises ValueError where the delta does not cover
+    them), or placeholders never read when a kernel runs without them (`tensor` any tensor of
+    the call)."""
     if deltas is None:
         return (tensor, 0), {"HAS_DELTA": False}
-    return (deltas.delta, deltas.delta.stride(0)), {"HAS_DELTA": True}
-
-
-def check_deltas(deltas: LoRADeltas, rows: int, width: int) -> None:
-    """The delta a consumer of `rows` rows of a `width`-column output reads (raises ValueError
-    otherwise)."""
     delta = deltas.delta
     if delta.dim() != 2 or delta.shape[0] < rows or delta.shape[1] != width:
         raise ValueError(f"delta {tuple(delta.shape)} does not cover {rows} rows of {width}")
     if delta.stride(1) != 1:
         raise ValueError("delta needs a unit column stride")
+    return (delta, delta.stride(0)), {"HAS_DELTA": True}
 
 
 @triton.jit

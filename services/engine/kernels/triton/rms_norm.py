@@ -19,11 +19,11 @@ from services.engine.kernels.triton.lora_epilogue import (
     LoRADeltas,
     LoRAEpilogue,
     check,
-    check_deltas,
     delta_args,
     epilogue_args,
     lora_delta,
     row_rank,
+    split_deltas,
 )
 
 
@@ -106,9 +106,7 @@ def rms_norm(
 
     With `lora`, x + each row's LoRA delta stands for x (and is the new residual when there is
     none)."""
-    deltas = lora if isinstance(lora, LoRADeltas) else None
-    if deltas is not None:
-        lora = None
+    lora, deltas = split_deltas(lora)
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, hidden_size = x.shape
@@ -123,10 +121,8 @@ def rms_norm(
         return out, residual_out
     if lora is not None:
         check(lora, rows, hidden_size, 1)
-    if deltas is not None:
-        check_deltas(deltas, rows, hidden_size)
     lora_args, lora_options = epilogue_args(x, lora)
-    extra_args, extra_options = delta_args(x, deltas)
+    extra_args, extra_options = delta_args(x, deltas, rows, hidden_size)
     block = triton.next_power_of_2(hidden_size)
     _launch_rms_norm(
         (rows,),

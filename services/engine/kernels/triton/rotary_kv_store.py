@@ -24,12 +24,12 @@ from services.engine.kernels.triton.lora_epilogue import (
     block_options,
     block_ranks,
     check,
-    check_deltas,
     delta_args,
     epilogue_args,
     lora_block_delta,
     lora_delta,
     row_rank,
+    split_deltas,
 )
 
 FP8_MAX = tl.constexpr(448.0)  # float8 e4m3 (fn)'s largest finite value
@@ -250,9 +250,7 @@ def rotary_kv_store(
     one QKV tensor (unit stride inside a token). cos/sin: [max_position, head_dim // 2] float32.
     `lora`: each token's adapter delta of q | k | v, added before the rotation.
     """
-    deltas = lora if isinstance(lora, LoRADeltas) else None
-    if deltas is not None:
-        lora = None
+    lora, deltas = split_deltas(lora)
     tokens = query.shape[0]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_heads = query.shape[-1] // head_dim if query.dim() == 2 else query.shape[1]
@@ -276,10 +274,9 @@ def rotary_kv_store(
                 num_warps=4, **pdl_options(q_out.device),
             )  # fmt: skip
             return q_out
-    if deltas is not None:
-        check_deltas(deltas, tokens, query2d.shape[1] + 2 * key2d.shape[1])
     lora_args, lora_options = epilogue_args(query2d, lora)
-    extra_args, extra_options = delta_args(query2d, deltas)
+    width = query2d.shape[1] + 2 * key2d.shape[1]
+    extra_args, extra_options = delta_args(query2d, deltas, tokens, width)
     _launch_rotary(
         (tokens,),
         query2d,

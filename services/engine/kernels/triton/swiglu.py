@@ -24,14 +24,13 @@ from services.engine.kernels.triton.launch import (
 )
 from services.engine.kernels.triton.lora_epilogue import (
     Epilogue,
-    LoRADeltas,
     LoRATiles,
     block_options,
     block_ranks,
     check,
-    check_deltas,
     delta_args,
     lora_block_delta,
+    split_deltas,
 )
 from services.engine.kernels.triton.lora_shrink import (
     persistent_grid,
@@ -203,10 +202,8 @@ def swiglu(gate_up: torch.Tensor, lora: Epilogue | None = None) -> torch.Tensor:
     if isinstance(lora, LoRATiles):
         _swiglu_tiles(gate_up, out, lora, pdl)
         return out
-    deltas = lora if isinstance(lora, LoRADeltas) else None
-    if deltas is not None:
-        check_deltas(deltas, rows, width)
-    elif lora is not None:
+    lora, deltas = split_deltas(lora)
+    if lora is not None:
         check(lora, rows, width, 2)
         block_m, block = 16, 128
         grid = (triton.cdiv(rows, block_m), triton.cdiv(intermediate_size, block))
@@ -217,7 +214,7 @@ def swiglu(gate_up: torch.Tensor, lora: Epilogue | None = None) -> torch.Tensor:
         return out
     block = 1024
     grid = (rows, triton.cdiv(intermediate_size, block))
-    extra_args, extra_options = delta_args(gate_up, deltas)
+    extra_args, extra_options = delta_args(gate_up, deltas, rows, width)
     _launch_swiglu(grid,
         gate_up, out, intermediate_size, gate_up.stride(0), *extra_args, **extra_options,
         BLOCK=block, num_warps=4, **pdl,

@@ -12,8 +12,9 @@ replay) and 64 slots of random rank-16 adapters on all seven projections:
   tokens (8 adapters), each against its own base step;
 - eager steps (16 prompts of 512 tokens; 12 of 512 with 128 decode rows; the two prefills
   above), in interleaved rounds against the same step on the base model: the kernels' deltas
-  written before the base matmul (the default), added after it, and runs of at least 512, 1024
-  (the default), 2048 or 4096 rows through cuBLAS instead of the kernels;
+  written before the base matmul, added after it, gate_up's added by SwiGLU as it reads them
+  (the default; for runs through cuBLAS too, or for the kernels' tiles only), and runs of at
+  least 512, 1024, 2048 (the default) or 4096 rows through cuBLAS instead of the kernels;
 - the LoRA kernels of one decode step (every layer's four fused projections) launched eagerly
   one by one: on a fast GPU this is bounded by the host's launch rate, not the kernels (the
   graph-captured rows above are the kernels' cost); and the bytes of A and B a step of N
@@ -59,14 +60,15 @@ from services.engine.lora.weights import AdapterWeights, ProjectionWeights
 RANK = 16
 BLOCK_SIZE = 16
 # eager_ab's settings of the runtime: (write_tile_deltas, long_segment_rows, SwiGLU adding
-# gate_up's deltas as it reads them where every row is in a tile: --lora-fused-swiglu).
+# gate_up's deltas as it reads them (--lora-fused-swiglu), and the long runs' too).
 EAGER_VARIANTS = {
-    "deltas_first": (True, LONG_SEGMENT_ROWS, False),
-    "fused_swiglu": (True, LONG_SEGMENT_ROWS, True),  # the default
-    "tiles_added_after": (False, LONG_SEGMENT_ROWS, False),
-    "runs_of_512_through_cublas": (True, 512, False),
-    "runs_of_2048_through_cublas": (True, 2048, False),
-    "runs_of_4096_through_cublas": (True, 4096, False),
+    "deltas_first": (True, LONG_SEGMENT_ROWS, False, False),
+    "fused_swiglu": (True, LONG_SEGMENT_ROWS, True, True),  # the default
+    "fused_swiglu_short_runs_only": (True, LONG_SEGMENT_ROWS, True, False),
+    "tiles_added_after": (False, LONG_SEGMENT_ROWS, False, False),
+    "runs_of_512_through_cublas": (True, 512, True, True),
+    "runs_of_1024_through_cublas": (True, 1024, True, True),
+    "runs_of_4096_through_cublas": (True, 4096, True, True),
 }
 MIXED_CONTEXT = 256  # tokens before each decode row of the mixed step
 
@@ -347,7 +349,12 @@ def eager_ab(
     the base model (the LoRA runtime bound, doing nothing): interleaved rounds, the median of
     each, ratios to that base."""
     runtime = adapters.runtime
-    saved = runtime.write_tile_deltas, runtime.long_segment_rows, runtime.tile_consumer
+    saved = (
+        runtime.write_tile_deltas,
+        runtime.long_segment_rows,
+        runtime.tile_consumer,
+        runtime.consumer_takes_long_runs,
+    )
     consumer = runtime.tile_consumer or runner.fast.ops  # the SwiGLU kernel's (fused_swiglu)
     steps: dict[tuple[str, str], Callable] = {}
     for label, batch in batches.items():
@@ -363,12 +370,20 @@ def eager_ab(
         for _ in range(rounds):
             for (label, variant), step in steps.items():
                 # no adapter row in the base step: the runtime's settings do not matter there
-                write, threshold, takes = EAGER_VARIANTS.get(variant, (*saved[:2], True))
+                write, threshold, takes, long_runs = EAGER_VARIANTS.get(
+                    variant, (*saved[:2], True, True)
+                )
                 runtime.write_tile_deltas, runtime.long_segment_rows = write, threshold
                 runtime.tile_consumer = consumer if takes else None
+                runtime.consumer_takes_long_runs = long_runs
                 samples[label, variant].append(time_steps(step, iterations, sync, warmup=1))
     finally:
-        runtime.write_tile_deltas, runtime.long_segment_rows, runtime.tile_consumer = saved
+        (
+            runtime.write_tile_deltas,
+            runtime.long_segment_rows,
+            runtime.tile_consumer,
+            runtime.consumer_takes_long_runs,
+        ) = saved
     median = {key: statistics.median(values) for key, values in samples.items()}
     return {
         "variants": {name: list(setting) for name, setting in EAGER_VARIANTS.items()},

@@ -247,14 +247,29 @@ def test_paused_sequences_swapped_to_pinned_host_memory_keep_every_token(model_d
     assert counts[1][0] > 0 and counts[1][1] < counts[0][1], counts
 
 
-def test_swiglu_taking_gate_up_deltas_keeps_every_token(model_dir: Path) -> None:
+@pytest.mark.parametrize("long_segment_rows", [None, 4])
+def test_swiglu_taking_gate_up_deltas_keeps_every_token(
+    model_dir: Path, long_segment_rows: int | None
+) -> None:
     """SwiGLU taking gate_up's deltas (the default) in steps of several adapters (eager
     prefill and mixed steps, and, the LoRA kernels in line, the graphs of many adapters):
     each request's greedy tokens are those of an engine that writes every delta first
-    (--no-lora-fused-swiglu), and the warm-up compiles that kernel too."""
+    (--no-lora-fused-swiglu), and the warm-up compiles that kernel too. long_segment_rows 4:
+    the prompts are long runs (their u from cuBLAS, SwiGLU walking every row's tiles)."""
     fused = _llm(model_dir, "cuda", max_loras=4, side_deltas=False)
     plain = _llm(model_dir, "cuda", max_loras=4, fused_swiglu=False, side_deltas=False)
     runtime = fused.engine.adapters.runtime
+    long_shrinks: list[int] = []
+    if long_segment_rows is not None:
+        for llm in (fused, plain):
+            llm.engine.adapters.runtime.long_segment_rows = long_segment_rows
+        shrink_long_runs = runtime._shrink_long_runs
+
+        def counted(*args) -> None:
+            long_shrinks.append(1)
+            shrink_long_runs(*args)
+
+        runtime._shrink_long_runs = counted
     assert runtime.tile_consumer is not None and plain.engine.adapters.runtime.tile_consumer is None
     # per row count the shrink and both expands of each projection, and for gate_up the
     # shrink and SwiGLU adding its deltas as it reads them
@@ -269,6 +284,7 @@ def test_swiglu_taking_gate_up_deltas_keeps_every_token(model_dir: Path) -> None
     for name, fast, slow in zip(names, got, want, strict=True):
         assert fast.token_ids == slow.token_ids, name
     assert runtime._pending is None
+    assert bool(long_shrinks) == (long_segment_rows is not None)
     for llm in (fused, plain):
         llm.engine.shutdown()
     torch.cuda.synchronize()

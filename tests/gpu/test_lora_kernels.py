@@ -194,21 +194,31 @@ def check_swiglu_tiles(
     rows: int,
     max_rank: int,
     graph_pad: int = 0,
+    long_segment_rows: int | None = None,
 ) -> None:
     """gate_up through project with the fast path's SwiGLU as the runtime's tile consumer: a
     plain base matmul and the shrink, then SwiGLU adding each tile's deltas to gate and up as
     it reads them; against the torch path's deltas on the base product, then silu(gate) * up.
-    graph_pad: a step narrower than its graph bucket (tiles cover rows past its own). A delta
-    no kernel took fails the next projection."""
+    graph_pad: a step narrower than its graph bucket (tiles cover rows past its own);
+    long_segment_rows: runs at least that long get their u from cuBLAS and SwiGLU walks every
+    row's tiles (checked to happen). A delta no kernel took fails the next projection."""
     from services.engine.backends.cuda_fast_path import TritonOps
 
     config, slots, runtime, reference = _runtimes(device, shape, dtype, max_rank, rows, graph_pad)
     ops = TritonOps()
     ops.epilogues, ops.bound, runtime.tile_consumer = runtime, True, ops
+    if long_segment_rows is not None:
+        runtime.long_segment_rows = long_segment_rows
     generator = torch.Generator().manual_seed(rows)
     batch = LoRABatch.from_row_slots(_row_slots(kind, rows, 8, generator))
     runtime.set_batch(batch)
     reference.set_batch(batch)
+    if long_segment_rows is not None:  # long runs, and every row's tiles for SwiGLU
+        assert not runtime._long.is_empty, "the case needs a long run"
+        assert (
+            runtime._num_all_tiles
+            == batch.kernel_tiles(batch.rows_outside(rows), slots.zero_slot).num_tiles
+        )
     spec = slots.shapes["gate_up_proj"]
     half = spec.out_features // 2
     tolerance = 2e-4 if dtype == torch.float32 else 3e-2
@@ -261,6 +271,14 @@ def test_swiglu_adds_a_steps_tile_deltas_as_it_reads_gate_up(
 
 def test_swiglu_tiles_leave_rows_past_a_narrower_step_alone() -> None:
     check_swiglu_tiles(DEVICE, "wide", torch.bfloat16, "distinct", 45, 16, graph_pad=19)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("long_segment_rows", [24, 1])
+def test_swiglu_adds_the_deltas_of_long_runs_through_cublas(dtype, long_segment_rows) -> None:
+    """Runs of at least long_segment_rows rows take their u from cuBLAS (1: every adapter run,
+    no kernel tile but the base rows'), and SwiGLU adds every row's delta."""
+    check_swiglu_tiles(DEVICE, "wide", dtype, "runs", 300, 16, long_segment_rows=long_segment_rows)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

@@ -62,8 +62,12 @@ KERNELS = ("torch", "triton")
 # multiplies the adapter rows by at most GROUPED_MAX_PADDING (decode batches of many adapters).
 GROUPED_MIN_SEGMENTS = 4
 GROUPED_MAX_PADDING = 4
-# triton: a run of at least this many rows of one adapter goes through cuBLAS (add_lora).
-LONG_SEGMENT_ROWS = 1024
+# triton: a run of at least this many rows of one adapter goes through cuBLAS (write_lora, or
+# for gate_up its shrink only, SwiGLU adding the deltas). With SwiGLU taking gate_up's deltas,
+# runs of 1,024 rows ran faster through the kernels (8B shapes on an H100, prefill of 8 x 1,024
+# tokens under 8 adapters: 1.111x the base step against 1.125x through cuBLAS; runs of 2,048:
+# 1.099x either way; benchmarks/lora_bench.py).
+LONG_SEGMENT_ROWS = 2048
 # triton on a GPU: CUDA graphs of at most this many rows run the shrink on a side stream beside
 # the base matmul (project): at 64 rows of one adapter, 8B shapes on an H100, 0.77 ms of LoRA a step
 # instead of 0.98 (benchmarks/lora_kernel_ab.py); wider graphs write the deltas first and let the
@@ -149,6 +153,9 @@ class LoRARuntime:
         self.tile_consumer: TileConsumer | None = None
         # (y, its deltas, whether a column view of y may take them)
         self._pending: tuple[torch.Tensor, LoRATiles | LoRADeltas, bool] | None = None
+        # In a step with long runs (cuBLAS), that kernel adds their deltas too, their u from
+        # cuBLAS (False: theirs are written first and the base matmul adds onto them).
+        self.consumer_takes_long_runs = True
         # On the CUDA fast path: the projections whose output's next kernel adds a written
         # delta (set by the runner), and whether the graphs captured now compute the deltas
         # beside the base matmul (project); each projection's delta buffer, made at first use.
@@ -178,9 +185,15 @@ class LoRARuntime:
         self.max_rows = max_rows
         self.tile_capacity = max_tiles(max_rows, slots.max_loras)
         header = 1 + 3 * self.tile_capacity
-        # [tile count, tile slots, tile starts, tile row counts | row indices], one copy a step
-        self._packed = torch.zeros(header + max_rows, dtype=torch.int32, device=device)
-        self._tiles, self._row_indices = self._packed[:header], self._packed[header:]
+        layout = self._layout_size = header + max_rows
+        # [tile count, tile slots, tile starts, tile row counts | row indices] of the kernels'
+        # tiles, then the same of every row's tiles, long runs' too (for the kernel reading
+        # gate_up's output in a step with long runs: _leave_tiles); one copy a step
+        self._packed = torch.zeros(2 * layout, dtype=torch.int32, device=device)
+        self._tiles, self._row_indices = self._packed[:header], self._packed[header:layout]
+        self._all_tiles = self._packed[layout : layout + header]
+        self._all_row_indices = self._packed[layout + header :]
+        self._num_all_tiles = 0  # this step's tiles of every row, where it has long runs
         self._staging = [torch.zeros_like(self._packed, device="cpu") for _ in range(2)]
         if torch.device(device).type == "cuda":
             self._staging = [buffer.pin_memory() for buffer in self._staging]
@@ -246,7 +259,18 @@ class LoRARuntime:
         # go to the kernels as rows of the zero slot: written as zeros where the deltas go
         # first (project), skipped where they are added.
         fill = [] if full.is_empty else full.rows_outside(self._cover(full.num_rows))
-        if batch.is_empty and not fill:
+        # With long runs, the kernel reading gate_up's output next may add their deltas too
+        # (_consumer_takes): it walks a layout of every row's tiles.
+        every_row = None
+        if (
+            not self._long.is_empty
+            and self.tile_consumer is not None
+            and self.consumer_takes_long_runs
+            and self.write_tile_deltas
+        ):
+            every_row = full.kernel_tiles(fill, self.slots.zero_slot)
+        self._num_all_tiles = 0 if every_row is None else every_row.num_tiles
+        if batch.is_empty and not fill and every_row is None:
             if self._num_tiles:
                 self._packed[:1].zero_()  # replays of graphs with the kernels do nothing
                 self._num_tiles = 0
@@ -258,7 +282,12 @@ class LoRARuntime:
         if copied is not None:
             copied.synchronize()  # the copy from this buffer two steps ago is long done
         staging[: len(packed)] = torch.tensor(packed, dtype=torch.int32)
-        self._packed[: len(packed)].copy_(staging[: len(packed)], non_blocking=True)
+        end = len(packed)
+        if every_row is not None:
+            second = every_row.packed(self.tile_capacity)
+            end = self._layout_size + len(second)
+            staging[self._layout_size : end] = torch.tensor(second, dtype=torch.int32)
+        self._packed[:end].copy_(staging[:end], non_blocking=True)
         if staging.is_pinned():
             event = torch.cuda.Event()
             event.record()
@@ -501,17 +530,17 @@ class LoRARuntime:
 
     def _consumer_takes(self, projection: str) -> bool:
         """Whether the kernel reading `projection`'s output next adds this step's deltas
-        itself: a bound tile consumer of it asking this runtime, every row in a tile (no long
-        run: those go through cuBLAS), the tiles' deltas written rather than added after."""
+        itself: a bound tile consumer of it asking this runtime, the deltas written rather
+        than added after, and a tile to walk (the kernels' tiles; in a step with long runs,
+        every row's: set_batch)."""
         consumer = self.tile_consumer
         return (
             consumer is not None
             and consumer.bound
             and consumer.epilogues is self
             and projection in consumer.consumes
-            and self._long.is_empty
             and self.write_tile_deltas
-            and self._kernel_bound() > 0
+            and (self._kernel_bound() if self._long.is_empty else self._num_all_tiles) > 0
         )
 
     def _base_for_consumer(
@@ -525,21 +554,47 @@ class LoRARuntime:
         return y
 
     def _leave_tiles(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Run the shrink of x and leave its u and the step's tiles for the kernel reading y."""
+        """Run the shrink of x and leave its u and the step's tiles for the kernel reading y.
+        In a step with long runs, their rows' u comes from cuBLAS and the kernel walks every
+        row's tiles: their deltas, too, never go through memory."""
         from services.engine.kernels.triton.lora_epilogue import LoRATiles
 
         bound = self._graph_tile_bound(x, self._kernel_bound())
-        u = self._shrink_into(layer, projection, x, bound)
-        tiles = LoRATiles(
+        tiles, row_indices = self._tiles, self._row_indices
+        if self._long.is_empty:
+            u = self._shrink_into(layer, projection, x, bound)
+        else:
+            # no kernel tile in this step: no row of either u buffer for a shrink to zero
+            u = self._shrink_into(layer, projection, x, bound) if bound else self._u[0]
+            self._shrink_long_runs(layer, projection, x, u)
+            tiles, row_indices, bound = self._all_tiles, self._all_row_indices, self._num_all_tiles
+        pending = LoRATiles(
             u=u,
             b=self.slots.b[layer][projection],
-            tiles=self._tiles,
-            row_indices=self._row_indices,
+            tiles=tiles,
+            row_indices=row_indices,
             slot_ranks=self.slots.kernel_rank_tensors[projection],
             tile_rows=TILE_ROWS,
             tile_bound=bound,
         )
-        self._pending = (y, tiles, False)
+        self._pending = (y, pending, False)
+
+    def _shrink_long_runs(
+        self, layer: int, projection: str, x: torch.Tensor, u: torch.Tensor
+    ) -> None:
+        """u's rows of this step's long runs: each run's x times its slot's A, every slice at
+        the padded rank in one matmul (x read once), as the kernels lay u out (slice i from
+        column i * max_rank). Runs of a slot of rank 0 are left: the consumer reads no u there."""
+        a = self.slots.a[layer][projection]
+        _, num_slices, padded, in_features = a.shape
+        ranks = self.slots.ranks[projection]
+        long = self._long
+        for start, length, slot in zip(long.starts, long.lengths, long.slots, strict=True):
+            if ranks[slot] == 0:
+                continue
+            stacked = a[slot].view(num_slices * padded, in_features)
+            shrunk = x[start : start + length].to(a.dtype) @ stacked.t()
+            u[start : start + length, : num_slices * padded].copy_(shrunk)
 
     def take(self, x: torch.Tensor) -> LoRAEpilogue | LoRATiles | LoRADeltas | None:
         """The deltas awaiting the projection output `x` (EpilogueSource): the one-adapter

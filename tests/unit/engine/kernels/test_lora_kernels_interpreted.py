@@ -6,7 +6,8 @@ ranks and target modules, one adapter for every row, runs of adapters among base
 with the alternating shrink buffers (the splits summed in split order through the workspace),
 long runs through cuBLAS beside the kernels, a plain base matmul adding onto deltas written
 first (the kernels' too, or added after it), a step narrower than its CUDA graph bucket,
-SwiGLU adding a step's tile deltas as it reads gate and up (check_swiglu_tiles); and
+SwiGLU adding a step's tile deltas as it reads gate and up (check_swiglu_tiles; long runs'
+u from cuBLAS too); and
 the one-adapter LoRA epilogues of the norm, SwiGLU and rotary kernels
 (tests/gpu/test_lora_epilogue.py), and those kernels adding deltas written beside the matmul.
 The
@@ -48,8 +49,12 @@ for shape, kind, rows, max_rank, *more in json.loads(sys.argv[1]):
 check_splits_in_order("cpu", torch.float32, repeats=1)
 print("ok splits in order", flush=True)
 from tests.gpu.test_lora_kernels import check_swiglu_tiles
-for kind, rows, pad in (("distinct", 20, 0), ("runs", 90, 0), ("distinct", 13, 6)):
-    check_swiglu_tiles("cpu", "tiny", torch.float32, kind, rows, 16, graph_pad=pad)
+for kind, rows, pad, long in (
+    ("distinct", 20, 0, None), ("runs", 90, 0, None), ("distinct", 13, 6, None),
+    ("runs", 90, 0, 24), ("runs", 90, 0, 1),  # long runs' u from cuBLAS (1: every run's)
+):
+    check_swiglu_tiles("cpu", "tiny", torch.float32, kind, rows, 16, graph_pad=pad,
+                       long_segment_rows=long)
 print("ok swiglu tiles", flush=True)
 from tests.gpu.test_lora_epilogue import check_dense_deltas, check_epilogues
 for width in (8, 12):

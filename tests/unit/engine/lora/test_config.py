@@ -113,8 +113,9 @@ def test_the_side_deltas_flag_is_on_by_default_and_reaches_the_lora_config() -> 
 def test_deltas_are_left_to_a_kernel_only_while_it_runs_the_model_and_asks_this_runtime() -> None:
     """LoRARuntime leaves gate_up's deltas to SwiGLU (tile_consumer) only where that kernel
     will run next and ask it: the fast path bound (not its plain-torch reference mode), its
-    source this runtime, a projection it reads, every row in a tile (no long run), deltas
-    written first; otherwise the deltas go through memory as before."""
+    source this runtime, a projection it reads, deltas written first, and tiles to walk (with
+    long runs, every row's, laid out while the consumer was set); otherwise the deltas go
+    through memory as before."""
     pytest.importorskip("triton", reason="the kernels' runtime imports Triton")
     from services.engine.backends.cuda_fast_path import TritonOps
     from services.engine.lora.batch import LoRABatch
@@ -140,6 +141,11 @@ def test_deltas_are_left_to_a_kernel_only_while_it_runs_the_model_and_asks_this_
     runtime.write_tile_deltas = True
     runtime.long_segment_rows = 2  # the run of two rows goes through cuBLAS
     runtime.set_batch(LoRABatch.from_row_slots([0, -1, 1, 1]))
+    assert runtime._consumer_takes("gate_up_proj")  # it walks every row's tiles
+    assert runtime._num_all_tiles == 3  # slot 0's row, slot 1's run, the base row
+    runtime.tile_consumer = None  # no consumer when the step was laid out: no such tiles
+    runtime.set_batch(LoRABatch.from_row_slots([0, -1, 1, 1]))
+    runtime.tile_consumer = ops
     assert not runtime._consumer_takes("gate_up_proj")
     runtime.set_batch(LoRABatch.from_row_slots([-1, -1]))  # no adapter rows: nothing to add
     assert not runtime._consumer_takes("gate_up_proj")

@@ -65,8 +65,8 @@ GROUPED_MAX_PADDING = 4
 # triton: a run of at least this many rows of one adapter goes through cuBLAS (write_lora, or
 # for gate_up its shrink only, SwiGLU adding the deltas). With SwiGLU taking gate_up's deltas,
 # runs of 1,024 rows ran faster through the kernels (8B shapes on an H100, prefill of 8 x 1,024
-# tokens under 8 adapters: 1.111x the base step against 1.125x through cuBLAS; runs of 2,048:
-# 1.099x either way; benchmarks/lora_bench.py).
+# tokens under 8 adapters: 1.111x the base step against 1.125-1.142x through cuBLAS, two
+# cards; runs of 2,048 about even; benchmarks/lora_bench.py).
 LONG_SEGMENT_ROWS = 2048
 # triton on a GPU: CUDA graphs of at most this many rows run the shrink on a side stream beside
 # the base matmul (project): at 64 rows of one adapter, 8B shapes on an H100, 0.77 ms of LoRA a step

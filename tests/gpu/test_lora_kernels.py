@@ -51,6 +51,8 @@ def _filled_slots(config, max_loras: int, max_rank: int, dtype, device) -> list[
 def _row_slots(kind: str, rows: int, max_loras: int, generator) -> list[int]:
     if kind == "one-adapter":
         return [1] * rows
+    if kind == "one-run":  # a prompt alone: one run of an adapter on every projection
+        return [0] * rows
     if kind == "all-base":
         return [-1] * rows
     if kind == "distinct":  # decode: every row its own pick, base rows among them
@@ -219,6 +221,8 @@ def check_swiglu_tiles(
             runtime._num_all_tiles
             == batch.kernel_tiles(batch.rows_outside(rows), slots.zero_slot).num_tiles
         )
+        if kind == "one-run":  # no kernel tile at all: every u from cuBLAS
+            assert runtime._num_tiles == 0
     spec = slots.shapes["gate_up_proj"]
     half = spec.out_features // 2
     tolerance = 2e-4 if dtype == torch.float32 else 3e-2
@@ -274,11 +278,16 @@ def test_swiglu_tiles_leave_rows_past_a_narrower_step_alone() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("long_segment_rows", [24, 1])
-def test_swiglu_adds_the_deltas_of_long_runs_through_cublas(dtype, long_segment_rows) -> None:
+@pytest.mark.parametrize(
+    ("kind", "rows", "long_segment_rows"), [("runs", 300, 24), ("runs", 300, 1), ("one-run", 96, 1)]
+)
+def test_swiglu_adds_the_deltas_of_long_runs_through_cublas(
+    dtype, kind, rows, long_segment_rows
+) -> None:
     """Runs of at least long_segment_rows rows take their u from cuBLAS (1: every adapter run,
-    no kernel tile but the base rows'), and SwiGLU adds every row's delta."""
-    check_swiglu_tiles(DEVICE, "wide", dtype, "runs", 300, 16, long_segment_rows=long_segment_rows)
+    no kernel tile but the base rows'; one-run: no kernel tile at all), and SwiGLU adds every
+    row's delta."""
+    check_swiglu_tiles(DEVICE, "wide", dtype, kind, rows, 16, long_segment_rows=long_segment_rows)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

@@ -52,6 +52,7 @@ from tests.gpu.test_lora_kernels import check_swiglu_tiles
 for kind, rows, pad, long in (
     ("distinct", 20, 0, None), ("runs", 90, 0, None), ("distinct", 13, 6, None),
     ("runs", 90, 0, 24), ("runs", 90, 0, 1),  # long runs' u from cuBLAS (1: every run's)
+    ("one-run", 40, 0, 1),  # no kernel tile at all
 ):
     check_swiglu_tiles("cpu", "tiny", torch.float32, kind, rows, 16, graph_pad=pad,
                        long_segment_rows=long)

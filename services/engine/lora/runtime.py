@@ -49,7 +49,7 @@ from services.engine.cuda_graph import bucket_for
 from services.engine.lora.batch import TILE_ROWS, LoRABatch, max_tiles
 from services.engine.lora.read_fences import SlotReadFences
 from services.engine.lora.slots import LoRASlots
-from services.engine.lora.torch_ops import add_lora, add_lora_grouped, write_lora
+from services.engine.lora.torch_ops import add_lora, add_lora_grouped, shrink_stacked, write_lora
 
 if TYPE_CHECKING:  # the native CPU kernels are loaded by the CPU runner, when it has them
     from services.engine.kernels.cpu.cpu_native import CpuKernels
@@ -586,15 +586,13 @@ class LoRARuntime:
         the padded rank in one matmul (x read once), as the kernels lay u out (slice i from
         column i * max_rank). Runs of a slot of rank 0 are left: the consumer reads no u there."""
         a = self.slots.a[layer][projection]
-        _, num_slices, padded, in_features = a.shape
         ranks = self.slots.ranks[projection]
         long = self._long
         for start, length, slot in zip(long.starts, long.lengths, long.slots, strict=True):
             if ranks[slot] == 0:
                 continue
-            stacked = a[slot].view(num_slices * padded, in_features)
-            shrunk = x[start : start + length].to(a.dtype) @ stacked.t()
-            u[start : start + length, : num_slices * padded].copy_(shrunk)
+            shrunk = shrink_stacked(x[start : start + length], a, slot)
+            u[start : start + length, : shrunk.shape[1]].copy_(shrunk)
 
     def take(self, x: torch.Tensor) -> LoRAEpilogue | LoRATiles | LoRADeltas | None:
         """The deltas awaiting the projection output `x` (EpilogueSource): the one-adapter

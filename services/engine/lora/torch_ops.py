@@ -79,23 +79,30 @@ def write_lora(
     column of each segment's rows written and none read (a slot of rank 0 writes zeros).
 
     Shapes as add_lora's, a contiguous; y, a and b of one dtype. The shrink is one matmul of the
-    rows against the slot's slices stacked at the buffers' padded rank (x read once, the padding
-    columns unused).
+    rows against the slot's slices stacked at the buffers' padded rank (shrink_stacked: x read
+    once, the padding columns unused).
     """
     num_slices = len(slice_offsets) - 1
-    padded, in_features = a.shape[2], a.shape[3]
+    padded = a.shape[2]
     for start, length, slot in zip(batch.starts, batch.lengths, batch.slots, strict=True):
         y_rows = y[start : start + length]
         rank = ranks[slot]
         if rank == 0:
             y_rows.zero_()
             continue
-        stacked = a[slot].view(num_slices * padded, in_features)
-        shrunk = x[start : start + length].to(a.dtype) @ stacked.t()  # [rows, slices * padded]
+        shrunk = shrink_stacked(x[start : start + length], a, slot)  # [rows, slices * padded]
         for index in range(num_slices):
             low, high = slice_offsets[index], slice_offsets[index + 1]
             part = shrunk[:, index * padded : index * padded + rank]
             y_rows[:, low:high].addmm_(part, b[slot, low:high, :rank].t(), beta=0)
+
+
+def shrink_stacked(x_rows: torch.Tensor, a: torch.Tensor, slot: int) -> torch.Tensor:
+    """x_rows times every slice's A of `slot` at the buffers' padded rank, in one matmul (x read
+    once): [rows, slices * padded], slice i from column i * padded (a contiguous, [S, slices,
+    padded, in]; the padding columns 0)."""
+    _, num_slices, padded, in_features = a.shape
+    return x_rows.to(a.dtype) @ a[slot].view(num_slices * padded, in_features).t()
 
 
 def add_lora_grouped(

@@ -20,17 +20,31 @@ time and the host's gaps compare with the base steps' of the same engine.
 
     python -m benchmarks.gpu_step_profile --adapters 48 --max-loras 16 --caps 256 \
         --low-requests 0 --out lora-profile.json
+
+With `--rate R` the passes are open loop instead, as `benchmarks.lora_stack` loads the stack but
+with no router, tokenizer or gRPC: the same requests arrive at the same Poisson times
+(`--duration-s` of arrivals) on the base model, then on the adapters, at the engine's own
+batch cap; each pass reports TTFT, TPOT, output tokens/s to its last finish, the scheduler's
+running, paused and waiting sequences, and profiles `--profile-steps` steps from the middle of
+its arrivals; `lora_over_base_output` is the ratio of the two passes' output tokens/s.
+
+    python -m benchmarks.gpu_step_profile --adapters 100 --max-loras 16 --rate 29 \
+        --duration-s 45 --low-requests 0 --profile-steps 60 --out lora-poisson.json
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
 import json
+import pstats
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,79 +85,275 @@ def run_pass(
 ) -> dict[str, Any]:
     """One pass of `specs` under a running-batch cap (each naming `adapters[i]` when given:
     "" is the base model); profiles steady steps if asked."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from services.common.protocol.sampling_params import SamplingParams
-
     scheduler = engine.scheduler
     scheduler.config = dataclasses.replace(scheduler.config, max_num_seqs=cap)
     for number, spec in enumerate(specs):
-        params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
-        adapter = adapters[number] if adapters else None
-        engine.add_request(
-            f"{tag}-{spec.index}", list(spec.prompt_token_ids), params, adapter=adapter or None
-        )
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    tokens: dict[str, int] = defaultdict(int)
-    steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, decoded tokens)
-    profile_from = 120
-    profiler = None
-    profiled: dict[str, Any] = {}
-    host = HostTimers(engine)
-    started = time.perf_counter()
+        _add(engine, f"{tag}-{spec.index}", spec, adapters[number] if adapters else None)
+    tally = StepTally(engine, profile_steps, profile_from=120)
     while engine.has_unfinished():
-        index = len(steps)
-        if profile_steps and index == profile_from:
-            torch.cuda.synchronize()
-            profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            profiler.__enter__()
-            profile_started = time.perf_counter()
-            host.start()
-        output = engine.step()
+        tally.step()
+    result = {"max_num_seqs": cap, "requests": len(specs), **tally.result(adapters)}
+    print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+    return result
+
+
+def poisson_pass(
+    engine: Any,
+    specs: list,
+    times: list[float],
+    profile_steps: int,
+    tag: str,
+    adapters: list[str] | None = None,
+    cprofile_to: Path | None = None,
+) -> dict[str, Any]:
+    """`specs[i]` added at `times[i]` s (open loop, as a Poisson load through the stack would
+    bring them), stepped until all finish; profiles `profile_steps` steps from the middle of
+    the arrivals. Output tokens/s counts to the last finish, as the stack benchmarks do."""
+    tally = StepTally(engine, profile_steps, profile_from=None)
+    tally.cprofile_to = cprofile_to
+    middle = times[-1] / 2 if times else 0.0
+    next_index = 0
+    while next_index < len(specs) or engine.has_unfinished():
+        now = time.perf_counter() - tally.started
+        while next_index < len(specs) and times[next_index] <= now:
+            spec = specs[next_index]
+            adapter = adapters[next_index] if adapters else None
+            tally.added[f"{tag}-{spec.index}"] = time.perf_counter()
+            _add(engine, f"{tag}-{spec.index}", spec, adapter)
+            next_index += 1
+            if next_index == len(specs):
+                tally.arrivals_end = time.perf_counter() - tally.started
+        if tally.profile_from is None and now >= middle:
+            tally.profile_from = len(tally.steps)
+        if not engine.has_unfinished():
+            time.sleep(min(0.001, max(times[next_index] - now, 0.0)))
+            continue
+        tally.step()
+    result = {
+        "rate": round(len(times) / times[-1], 2) if times else 0.0,
+        "requests": len(specs),
+        **tally.result(adapters),
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+    return result
+
+
+def _add(engine: Any, request_id: str, spec: Any, adapter: str | None) -> None:
+    from services.common.protocol.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(request_id, list(spec.prompt_token_ids), params, adapter=adapter or None)
+
+
+class StepTally:
+    """Steps an engine and keeps what a pass reports: each request's first and last token,
+    each step's time and rows, the scheduler's state per step, and a torch.profiler window of
+    `profile_steps` steps from step `profile_from` (None: not yet known)."""
+
+    def __init__(self, engine: Any, profile_steps: int, profile_from: int | None) -> None:
+        self.engine = engine
+        self.profile_steps = profile_steps
+        self.profile_from = profile_from
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.added: dict[str, float] = {}
+        self.tokens: dict[str, int] = defaultdict(int)
+        self.steps: list[tuple[float, int, int]] = []  # (seconds, prefill, decoded tokens)
+        self.states: list[tuple[int, int, int]] = []  # (running, paused, waiting)
+        self.profiled: dict[str, Any] = {}
+        self._profiler: Any = None
+        self._in_window = False
+        self._profile_started = 0.0
+        self._host = HostTimers(engine)
+        self._pauses = engine.scheduler.num_pauses
+        self._reasons = dict(engine.plain_step_reasons)
+        self.planned_ahead = 0
+        self.call_s = 0.0  # host time inside engine.step()
+        self.step_ends: list[float] = []  # seconds since the start, per step
+        self.arrivals_end: float | None = None  # the last arrival, open-loop passes
+        # per step() call: host s planning and launching the next step while this one ran,
+        # and whether that step holds prompt tokens (None: no step launched ahead)
+        self.launches: list[tuple[float, bool | None]] = []
+        self._launch: tuple[float, bool | None] = (0.0, None)
+        self._unwrap = self._time_launches(engine)
+        self.cprofile_to: Path | None = None  # a text file: the window's cProfile
+        self._cprofile: cProfile.Profile | None = None
+        self._slot_writes = self._slot_write_count()
+        self.started = time.perf_counter()
+
+    def _write_cprofile(self) -> None:
+        """The profiled window's host functions: the 40 costliest by own and by total time."""
+        assert self.cprofile_to is not None and self._cprofile is not None
+        text = io.StringIO()
+        stats = pstats.Stats(self._cprofile, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(60)
+        self.cprofile_to.write_text(text.getvalue())
+
+    def _time_launches(self, engine: Any) -> Any:
+        """Time the engine's launch-ahead calls (kept in self._launch for the step); returns
+        the undo."""
+        original = engine._launch_ahead
+
+        def timed(launched: Any, deltas: Any) -> Any:
+            began = time.perf_counter()
+            ahead = original(launched, deltas)
+            prompt = None if ahead is None else ahead.num_tokens > len(ahead.scheduled)
+            self._launch = (time.perf_counter() - began, prompt)
+            return ahead
+
+        engine._launch_ahead = timed
+        return lambda: delattr(engine, "_launch_ahead")
+
+    def _slot_write_count(self) -> int:
+        adapters = self.engine.adapters
+        return adapters.manager.num_slot_writes if adapters is not None else 0
+
+    def step(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        index = len(self.steps)
+        if self.profile_steps and index == self.profile_from and not self._in_window:
+            _sync(torch)
+            self._in_window = True
+            if self.cprofile_to is not None:  # the host alone: no kernel trace beside it
+                self._cprofile = cProfile.Profile()
+            else:
+                activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                self._profiler = profile(activities=activities)
+                self._profiler.__enter__()
+            self._profile_started = time.perf_counter()
+            self._host.start()
+            if self._cprofile is not None:
+                self._cprofile.enable()
+        called = time.perf_counter()
+        self._launch = (0.0, None)
+        output = self.engine.step()
+        self.launches.append(self._launch)
         now = time.perf_counter()
+        self.call_s += now - called
+        self.planned_ahead += bool(output.planned_ahead)
+        self.step_ends.append(now - self.started)
         decoded = 0
         for delta in output.deltas:
             count = len(delta.new_token_ids)
             decoded += count
             if count:
-                first.setdefault(delta.request_id, now)
-                last[delta.request_id] = now
-                tokens[delta.request_id] += count
-        steps.append((output.step_time_s, max(output.num_batched_tokens - decoded, 0), decoded))
-        if profiler is not None and index == profile_from + profile_steps - 1:
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - profile_started
-            profiler.__exit__(None, None, None)
-            profiled = kernel_breakdown(profiler, wall, steps[profile_from:])
-            profiled["host_ms"] = host.stop()
-            profiler = None
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - started
-    tpot_s = [(last[r] - first[r]) / (tokens[r] - 1) for r in first if tokens[r] > 1]
-    mixed = [s for s in steps if s[1] > 0]
-    decode_only = [s for s in steps if s[1] == 0]
-    result = {
-        "max_num_seqs": cap,
-        "requests": len(specs),
-        "seconds": round(elapsed, 3),
-        "output_tok_s": round(sum(tokens.values()) / elapsed, 1),
-        "tpot_ms": percentiles_ms(tpot_s),
-        "steps": len(steps),
-        "step_ms": percentiles_ms([s[0] for s in steps]),
-        "mixed_steps": {"count": len(mixed), **mean_columns(mixed)},
-        "decode_steps": {"count": len(decode_only), **mean_columns(decode_only)},
-    }
-    if adapters:
-        result["adapter_requests"] = sum(1 for name in adapters if name)
-        result["pauses"] = scheduler.num_pauses
-        if engine.adapters is not None:
-            result["slot_writes"] = engine.adapters.manager.num_slot_writes
-    if profiled:
-        result["profile"] = profiled
-    print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
-    return result
+                self.first.setdefault(delta.request_id, now)
+                self.last[delta.request_id] = now
+                self.tokens[delta.request_id] += count
+        self.steps.append(
+            (output.step_time_s, max(output.num_batched_tokens - decoded, 0), decoded)
+        )
+        scheduler = self.engine.scheduler
+        self.states.append((len(scheduler.running), len(scheduler.paused), scheduler.num_waiting))
+        if self._in_window and index == self.profile_from + self.profile_steps - 1:
+            self._close_window(index)
+
+    def _close_window(self, index: int) -> None:
+        import torch
+
+        if self._cprofile is not None:
+            self._cprofile.disable()
+        _sync(torch)
+        wall = time.perf_counter() - self._profile_started
+        window = slice(self.profile_from, index + 1)
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self.profiled = kernel_breakdown(self._profiler, wall, self.steps[window])
+        else:
+            self._write_cprofile()
+            self.profiled = {"steps": index + 1 - self.profile_from, "wall_ms": wall * 1e3}
+        self.profiled["host_ms"] = self._host.stop()
+        self.profiled["running_paused_waiting_mean"] = [
+            round(float(v), 1) for v in np.asarray(self.states[window]).mean(axis=0)
+        ]
+        self._profiler = self._cprofile = None
+        self._in_window = False
+        self.profile_steps = 0
+
+    def _timing(self, elapsed: float) -> dict[str, Any]:
+        """Where the pass's wall time went: the steps' own (device) spans, the host's calls,
+        the wall time no step covers (the device idle, or waiting for arrivals), the steps
+        planned ahead and why the others were not; for open-loop passes the output and steps
+        after the last arrival (the drain)."""
+        steps = len(self.steps)
+        span_s = sum(s[0] for s in self.steps)
+        reasons = {
+            key: count - self._reasons.get(key, 0)
+            for key, count in self.engine.plain_step_reasons.items()
+            if count - self._reasons.get(key, 0)
+        }
+        timing: dict[str, Any] = {
+            "step_span_s": round(span_s, 3),
+            "wall_outside_step_spans_s": round(elapsed - span_s, 3),
+            "host_s_in_step_calls": round(self.call_s, 3),
+            "planned_ahead_share": round(self.planned_ahead / steps, 3) if steps else 0.0,
+            "plain_steps_by_reason": reasons,
+        }
+        timing["launch_ahead_ms"] = self._launch_summary()
+        if self.arrivals_end is not None:
+            after = [i for i, end in enumerate(self.step_ends) if end > self.arrivals_end]
+            timing["drain"] = {
+                "seconds": round(elapsed - self.arrivals_end, 3),
+                "steps": len(after),
+                "decoded_tokens": int(sum(self.steps[i][2] for i in after)),
+                "step_span_s": round(sum(self.steps[i][0] for i in after), 3),
+            }
+        return timing
+
+    def _launch_summary(self) -> dict[str, Any]:
+        """Host ms planning and launching each step ahead, by whether it holds prompt tokens,
+        and the seconds those launches outlasted the step running meanwhile: device time
+        idle waiting for the host (an estimate: that step may have begun before the call)."""
+        summary: dict[str, Any] = {}
+        for label, kind in (("with_prompt", True), ("decode_only", False)):
+            values = [s for s, prompt in self.launches if prompt is kind]
+            summary[label] = {"count": len(values), **percentiles_ms(values)}
+        summary["outlasting_the_running_step_s"] = round(
+            sum(
+                max(0.0, launch - step[0])
+                for (launch, prompt), step in zip(self.launches, self.steps, strict=True)
+                if prompt is not None
+            ),
+            3,
+        )
+        return summary
+
+    def result(self, adapters: list[str] | None) -> dict[str, Any]:
+        import torch
+
+        self._unwrap()
+        _sync(torch)
+        elapsed = time.perf_counter() - self.started
+        first, last, tokens = self.first, self.last, self.tokens
+        tpot_s = [(last[r] - first[r]) / (tokens[r] - 1) for r in first if tokens[r] > 1]
+        mixed = [s for s in self.steps if s[1] > 0]
+        decode_only = [s for s in self.steps if s[1] == 0]
+        states = np.asarray(self.states or [(0, 0, 0)])
+        result: dict[str, Any] = {
+            "seconds": round(elapsed, 3),
+            "output_tok_s": round(sum(tokens.values()) / elapsed, 1),
+            "tpot_ms": percentiles_ms(tpot_s),
+            "steps": len(self.steps),
+            "step_ms": percentiles_ms([s[0] for s in self.steps]),
+            "mixed_steps": {"count": len(mixed), **mean_columns(mixed)},
+            "decode_steps": {"count": len(decode_only), **mean_columns(decode_only)},
+            "running_paused_waiting_max": [int(v) for v in states.max(axis=0)],
+            **self._timing(elapsed),
+        }
+        if self.added:
+            result["ttft_ms"] = percentiles_ms(
+                [first[r] - self.added[r] for r in self.added if r in first]
+            )
+        if adapters:
+            result["adapter_requests"] = sum(1 for name in adapters if name)
+            result["pauses"] = self.engine.scheduler.num_pauses - self._pauses
+            result["slot_writes"] = self._slot_write_count() - self._slot_writes
+        if self.profiled:
+            result["profile"] = self.profiled
+        return result
 
 
 def low_load_pass(engine: Any, specs: list, rate: float, tag: str) -> dict[str, Any]:
@@ -267,6 +477,26 @@ def load_adapters(engine: Any, names: list[str]) -> None:
         engine.step()
 
 
+def _sync(torch: Any) -> None:
+    """Wait for the device (nothing to wait for on a CPU engine)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _record(report: dict[str, Any], out: Path, mix: str, run: Any) -> None:
+    """Run one pass, note the kernels compiled during it, add it to the report and save."""
+    from services.engine import compile_watch
+
+    compiled_before = len(compile_watch.late_compiles())
+    result = run()
+    result["requests_on"] = mix
+    result["compiled_after_warm_up"] = [
+        what for _, what in compile_watch.late_compiles()[compiled_before:]
+    ]
+    report["passes"].append(result)
+    out.write_text(json.dumps(report, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu_step_profile", description=__doc__.splitlines()[0]
@@ -282,6 +512,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-loras", type=int, default=16, help="device slots")
     parser.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     parser.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the draw")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="requests/s: open-loop Poisson passes at this rate instead of the closed passes of "
+        "--caps (the engine's own batch cap), each --duration-s s of arrivals; profiles from the "
+        "middle of the arrivals",
+    )
+    parser.add_argument("--duration-s", type=float, default=45.0, help="arrivals per --rate pass")
+    parser.add_argument(
+        "--cprofile-dir",
+        type=Path,
+        default=None,
+        help="with --rate: also a cProfile of the host over each pass's profiled steps "
+        "(PASS.txt, the costliest functions)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     import torch
@@ -325,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "passes": [],
     }
-    specs = fixed_specs(args.requests)
+    count = round(args.rate * args.duration_s) if args.rate > 0 else args.requests
+    specs = fixed_specs(count)
     if args.low_requests:
         compiled_before = len(compile_watch.late_compiles())
         low = low_load_pass(engine, specs[: args.low_requests], args.low_rate, "low")
@@ -338,17 +585,23 @@ def main(argv: list[str] | None = None) -> int:
     drawn = choose_adapters(np.random.default_rng(4), names, "zipf", args.zipf_s, len(specs))
     report["adapters"] = {"count": args.adapters, "max_loras": args.max_loras, "rank": args.rank}
     mixes = [("base", None), ("lora", drawn)] if names else [("base", None)]
-    for number, cap in enumerate(int(value) for value in args.caps.split(",")):
+    if args.rate > 0:
+        gaps = np.random.default_rng(5).exponential(1.0 / args.rate, len(specs))
+        times = np.cumsum(gaps).tolist()
         for mix, adapters in mixes:
-            compiled_before = len(compile_watch.late_compiles())
-            profile_steps = args.profile_steps if number == 0 else 0
-            result = run_pass(engine, specs, cap, profile_steps, f"pass{number}-{mix}", adapters)
-            result["requests_on"] = mix
-            result["compiled_after_warm_up"] = [
-                what for _, what in compile_watch.late_compiles()[compiled_before:]
-            ]
-            report["passes"].append(result)
+            run = partial(poisson_pass, engine, specs, times, args.profile_steps)
+            where = None if args.cprofile_dir is None else args.cprofile_dir / f"{mix}.txt"
+            _record(report, args.out, mix, partial(run, f"poisson-{mix}", adapters, where))
+        if len(report["passes"]) == 2:
+            base, lora_pass = (p["output_tok_s"] for p in report["passes"])
+            report["lora_over_base_output"] = round(lora_pass / base, 3)
             args.out.write_text(json.dumps(report, indent=1))
+        return 0
+    for number, cap in enumerate(int(value) for value in args.caps.split(",")):
+        profile_steps = args.profile_steps if number == 0 else 0
+        for mix, adapters in mixes:
+            run = partial(run_pass, engine, specs, cap, profile_steps, f"pass{number}-{mix}")
+            _record(report, args.out, mix, partial(run, adapters))
     return 0
 
 

@@ -54,48 +54,75 @@ def _arg_key(value: Any) -> Any:
     return (value == 1, value % 16 == 0, INT32_MIN <= value <= INT32_MAX)
 
 
+_Tensor = torch.Tensor
+
+
 class CachedLaunch:
     """`launch(grid, *args, **constexprs_and_options)` for one `@triton.jit` function whose
-    runtime arguments are passed positionally and whose constexprs (and `num_warps`) by name."""
+    runtime arguments are passed positionally and whose constexprs (and `num_warps`) by name.
+
+    Its own host work per launch is kept small (an eager step launches hundreds): a plain
+    tensor's part of the key is built inline, and each specialization keeps its launcher's
+    pieces and the names of the constexprs it passes after the positional arguments."""
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._names = tuple(kernel.arg_names)
-        self._compiled: dict[tuple[Any, ...], Any] = {}
+        # key -> (run, function, packed metadata, names of the named values it passes)
+        self._compiled: dict[tuple[Any, ...], tuple[Any, Any, Any, tuple[str, ...]]] = {}
+        self._current_stream: Any = None  # the driver's get_current_stream, once looked up
         self.direct_launches = 0  # launches that skipped the JIT dispatch (for tests)
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **named: Any) -> None:
         """Launch on the current stream. Pass the constexprs in one order at each call site
         (they are part of the key as given)."""
-        device = args[0].get_device() if isinstance(args[0], torch.Tensor) else -1
-        key = (tuple(map(_arg_key, args)), tuple(named.items()), device)
-        compiled = self._compiled.get(key)
-        if (
-            compiled is None
-            or not DIRECT_LAUNCH
-            or _hooked(knobs.runtime.launch_enter_hook)
-            or _hooked(knobs.runtime.launch_exit_hook)
-        ):
+        first = args[0]
+        device = first.get_device() if isinstance(first, _Tensor) else -1
+        # plain tensors and ints inline (the address's and the value's residue mod 16: finer
+        # than Triton's key, never coarser), anything else through _arg_key
+        key = (
+            tuple([
+                (arg.dtype, arg.data_ptr() & 15) if type(arg) is _Tensor
+                else (arg == 1, arg & 15, INT32_MIN <= arg <= INT32_MAX) if type(arg) is int
+                else _arg_key(arg)
+                for arg in args
+            ]),
+            tuple(named.items()),
+            device,
+        )  # fmt: skip
+        entry = self._compiled.get(key)
+        if entry is None or not DIRECT_LAUNCH or _hooks_set():
             compiled = self.kernel[grid](*args, **named)
             if compiled is not None and hasattr(compiled, "run"):  # None: the interpreter
-                self._compiled[key] = compiled
+                tail = self._names[len(args) :]
+                self._compiled[key] = (
+                    compiled.run, compiled.function, compiled.packed_metadata, tail
+                )  # fmt: skip
             return
-        values = list(args)
-        values.extend(named[name] for name in self._names[len(args) :])
-        stream = driver.active.get_current_stream(device)
-        compiled.run(
+        run, function, metadata, tail = entry
+        current_stream = self._current_stream
+        if current_stream is None:
+            current_stream = self._current_stream = driver.active.get_current_stream
+        run(
             grid[0],
             grid[1] if len(grid) > 1 else 1,
             grid[2] if len(grid) > 2 else 1,
-            stream,
-            compiled.function,
-            compiled.packed_metadata,
+            current_stream(device),
+            function,
+            metadata,
             None,
             None,
             None,
-            *values,
+            *args,
+            *[named[name] for name in tail],
         )
         self.direct_launches += 1
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook (a profiler's) is set: launches then take Triton's own path."""
+    runtime = knobs.runtime
+    return _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
 
 
 def _hooked(hook: Any) -> bool:

@@ -69,6 +69,8 @@ def test_a_second_launch_of_the_same_specialization_skips_the_jit(kernel) -> Non
         {"x": torch.zeros(8, dtype=torch.float16)},  # another dtype
         {"x": torch.zeros(9)[1:]},  # an address not 16-byte aligned
         {"block": 32},  # another constexpr
+        {"n": True},  # a bool where an int was
+        {"n": 32.0},  # a float where an int was
     ],
 )
 def test_anything_triton_specializes_on_takes_the_jit_path_again(kernel, other) -> None:
@@ -77,6 +79,17 @@ def test_anything_triton_specializes_on_takes_the_jit_path_again(kernel, other) 
     cached((4,), x, 32, BLOCK=16)
     cached((4,), other.get("x", x), other.get("n", 32), BLOCK=other.get("block", 16))
     assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
+
+
+def test_one_true_and_one_point_zero_are_three_specializations(kernel) -> None:
+    """Equal in Python, not to Triton: each keeps its own compiled kernel."""
+    cached = launch.CachedLaunch(kernel)
+    x = torch.zeros(8)
+    for value in (1, True, 1.0, 1, True, 1.0):
+        cached((4,), x, value, BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["jit"] * 3 + ["direct"] * 3
+    assert [entry[1][-2] for entry in kernel.log[3:]] == [1, True, 1.0]
+    assert [type(entry[1][-2]) for entry in kernel.log[3:]] == [int, bool, float]
 
 
 def test_switched_off_or_hooked_launches_take_the_jit_path(kernel, monkeypatch) -> None:

@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,7 @@ class StepTally:
         # and whether that step holds prompt tokens (None: no step launched ahead)
         self.launches: list[tuple[float, bool | None]] = []
         self._launch: tuple[float, bool | None] = (0.0, None)
-        self._unwrap = self._time_launches(engine)
+        self._unwrap = time_method(engine, "_launch_ahead", self._note_launch)
         self.cprofile_to: Path | None = None  # a text file: the window's cProfile
         self._cprofile: cProfile.Profile | None = None
         self._slot_writes = self._slot_write_count()
@@ -190,20 +191,11 @@ class StepTally:
         stats.sort_stats("cumulative").print_stats(60)
         self.cprofile_to.write_text(text.getvalue())
 
-    def _time_launches(self, engine: Any) -> Any:
-        """Time the engine's launch-ahead calls (kept in self._launch for the step); returns
-        the undo."""
-        original = engine._launch_ahead
-
-        def timed(launched: Any, deltas: Any) -> Any:
-            began = time.perf_counter()
-            ahead = original(launched, deltas)
-            prompt = None if ahead is None else ahead.num_tokens > len(ahead.scheduled)
-            self._launch = (time.perf_counter() - began, prompt)
-            return ahead
-
-        engine._launch_ahead = timed
-        return lambda: delattr(engine, "_launch_ahead")
+    def _note_launch(self, seconds: float, ahead: Any) -> None:
+        """One launch-ahead call of the engine: its host time, and whether the step it
+        launched holds prompt tokens (None: it launched none)."""
+        prompt = None if ahead is None else ahead.num_tokens > len(ahead.scheduled)
+        self._launch = (seconds, prompt)
 
     def _slot_write_count(self) -> int:
         adapters = self.engine.adapters
@@ -429,6 +421,24 @@ def mean_columns(steps: list[tuple[float, int, int]]) -> dict[str, float]:
     }
 
 
+def time_method(owner: Any, name: str, record: Callable[[float, Any], None]) -> Callable[[], None]:
+    """Wrap `owner.name` (an instance attribute over its method) so that each call's host
+    seconds and result go to `record`; returns the undo (the method shows again)."""
+    original = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        result = None
+        try:
+            result = original(*args, **kwargs)
+            return result
+        finally:
+            record(time.perf_counter() - began, result)
+
+    setattr(owner, name, timed)
+    return lambda: delattr(owner, name)
+
+
 class HostTimers:
     """Host time spent in the scheduler and in the per-step LoRA layout while profiling."""
 
@@ -437,29 +447,20 @@ class HostTimers:
         self._targets = [(engine.scheduler, "schedule")]
         if engine.adapters is not None:
             self._targets.append((engine.adapters, "begin_step"))
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._undo: list[Callable[[], None]] = []
 
     def start(self) -> None:
         for owner, name in self._targets:
-            original = getattr(owner, name)
-            self._saved.append((owner, name, original))
-            setattr(owner, name, self._timed(name, original))
+            self._undo.append(time_method(owner, name, partial(self._add, name)))
 
     def stop(self) -> dict[str, float]:
-        for owner, name, _ in self._saved:
-            delattr(owner, name)  # the instance attribute goes: the method shows again
-        self._saved.clear()
+        for undo in self._undo:
+            undo()
+        self._undo.clear()
         return {name: round(total * 1e3, 2) for name, total in self.totals.items()}
 
-    def _timed(self, name: str, original: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.totals[name] += time.perf_counter() - began
-
-        return timed
+    def _add(self, name: str, seconds: float, _result: Any) -> None:
+        self.totals[name] += seconds
 
 
 def load_adapters(engine: Any, names: list[str]) -> None:

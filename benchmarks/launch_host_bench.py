@@ -16,10 +16,8 @@ two timed in alternating rounds (median per launch of each).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +25,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.lora_kernel_ab import load_module
 from services.engine.kernels.triton import launch as current
 
 NAMES = [f"p{i}" for i in range(13)] + [f"C{i}" for i in range(8)] + ["BLOCK_M", "USE_PDL"]
@@ -52,16 +51,6 @@ class _Driver:
         @staticmethod
         def get_current_stream(device: int) -> int:
             return 0
-
-
-def load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sluice_launch_baseline", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def launch_us(module: ModuleType, launches: int) -> float:
@@ -97,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", type=int, default=20000, help="launches per round")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
-    baseline = load(args.baseline)
+    baseline = load_module("sluice_launch_baseline", args.baseline)
     samples: dict[str, list[float]] = {"baseline": [], "current": []}
     for _ in range(args.rounds):
         samples["baseline"].append(launch_us(baseline, args.launches))

@@ -76,17 +76,18 @@ def _layouts(seed: int) -> dict[str, list[int]]:
 
 def load_baseline(directory: Path) -> tuple[ModuleType, ModuleType]:
     """The baseline's shrink and expand modules, the expand importing the baseline's shrink."""
-    shrink = _load("sluice_baseline_lora_shrink", directory / "lora_shrink.py")
+    shrink = load_module("sluice_baseline_lora_shrink", directory / "lora_shrink.py")
     current = importlib.import_module(SHRINK_MODULE)
     sys.modules[SHRINK_MODULE] = shrink  # what the baseline expand imports its helpers from
     try:
-        expand = _load("sluice_baseline_lora_expand", directory / "lora_expand.py")
+        expand = load_module("sluice_baseline_lora_expand", directory / "lora_expand.py")
     finally:
         sys.modules[SHRINK_MODULE] = current
     return shrink, expand
 
 
-def _load(name: str, path: Path) -> ModuleType:
+def load_module(name: str, path: Path) -> ModuleType:
+    """The Python file at `path`, imported as module `name` (another revision's kernels)."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load {path}")

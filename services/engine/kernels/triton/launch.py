@@ -47,11 +47,15 @@ DIRECT_LAUNCH = True
 
 
 def _arg_key(value: Any) -> Any:
+    """A positional argument's part of the specialization key: a tensor's dtype and address
+    mod 16, an int's being 1, its residue mod 16 and whether it fits int32 (finer than
+    Triton's own key, never coarser), anything else by type and value. `CachedLaunch` builds
+    the first two inline for plain tensors and ints (the same tuples, without the call)."""
     if isinstance(value, torch.Tensor):
-        return (value.dtype, value.data_ptr() % 16 == 0)
+        return (value.dtype, value.data_ptr() & 15)
     if isinstance(value, bool) or not isinstance(value, int):
         return (type(value), value)
-    return (value == 1, value % 16 == 0, INT32_MIN <= value <= INT32_MAX)
+    return (value == 1, value & 15, INT32_MIN <= value <= INT32_MAX)
 
 
 _Tensor = torch.Tensor
@@ -78,8 +82,7 @@ class CachedLaunch:
         (they are part of the key as given)."""
         first = args[0]
         device = first.get_device() if isinstance(first, _Tensor) else -1
-        # plain tensors and ints inline (the address's and the value's residue mod 16: finer
-        # than Triton's key, never coarser), anything else through _arg_key
+        # _arg_key's tuples, plain tensors' and ints' built inline
         key = (
             tuple([
                 (arg.dtype, arg.data_ptr() & 15) if type(arg) is _Tensor

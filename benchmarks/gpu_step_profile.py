@@ -333,6 +333,7 @@ class StepTally:
             "mixed_steps": {"count": len(mixed), **mean_columns(mixed)},
             "decode_steps": {"count": len(decode_only), **mean_columns(decode_only)},
             "running_paused_waiting_max": [int(v) for v in states.max(axis=0)],
+            "running_paused_waiting_mean": [round(float(v), 1) for v in states.mean(axis=0)],
             **self._timing(elapsed),
         }
         if self.added:

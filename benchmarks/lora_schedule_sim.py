@@ -11,6 +11,10 @@ each launched step advances a simulated clock by a modelled step time:
     + prompt tokens × prompt_us, times lora_factor when the step runs adapters,
     plus lora_adapter_ms × its distinct adapters (their weights read)
 
+and a step with prompt tokens at least `--eager-host-ms` (`--eager-host-ms-lora` with adapters):
+such a step runs without a CUDA graph, and the host's kernel launches can outlast the device's
+work (a decode step replays a graph: its host time is not modelled)
+
 (defaults fitted to `dummy:llama-3-8b` bf16 on an H100: BENCHMARKS.md, "Engine steps on a GPU"
 and "Multi-LoRA step cost"), and a slot write lands `--write-ms` after it is issued. Requests
 arrive Poisson on that clock (`--rate`, or `--rate-fraction` of the saturation rate that a
@@ -90,6 +94,11 @@ class StepModel:
         )
         if adapters:
             ms = ms * args.lora_factor + len(adapters) * args.lora_adapter_ms
+        if prompt_tokens:  # launched kernel by kernel: the host's launches may take longer
+            host_ms = args.eager_host_ms
+            if adapters and args.eager_host_ms_lora is not None:
+                host_ms = args.eager_host_ms_lora
+            ms = max(ms, host_ms)
         return ms / 1e3
 
 
@@ -327,6 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prompt-us", type=float, default=26.0, help="model: per prompt token")
     add("--lora-factor", type=float, default=1.2, help="model: a step with adapters, × base")
     add("--lora-adapter-ms", type=float, default=0.03, help="model: per adapter in a step")
+    add(
+        "--eager-host-ms",
+        type=float,
+        default=0.0,
+        help="model: the host's time to launch a step with prompt tokens (kernel by kernel, no "
+        "graph), the least such a step takes (0: none)",
+    )
+    add(
+        "--eager-host-ms-lora",
+        type=float,
+        default=None,
+        help="model: the same for a step that runs adapters (default: --eager-host-ms)",
+    )
     add("--write-ms", type=float, default=3.0, help="a slot write's copy time")
     add("--swap-blocks", type=int, default=0, help="host swap space for paused KV, blocks")
     add(

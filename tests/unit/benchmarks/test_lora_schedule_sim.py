@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.lora_schedule_sim import build_parser, run
+from benchmarks.lora_schedule_sim import StepModel, build_parser, run
 
 SMALL = [
     *("--adapters", "12", "--max-loras", "3", "--rate", "20", "--duration-s", "3"),
@@ -50,3 +50,29 @@ def test_swap_space_moves_paused_sequences_instead_of_preempting_them() -> None:
     assert without["preemptions"] > 0
     assert with_swap["swap_outs"] > 0 and with_swap["mean_swapped"] > 0
     assert with_swap["preemptions"] < without["preemptions"]
+
+
+def test_a_step_with_prompt_tokens_takes_at_least_the_hosts_launch_time() -> None:
+    """The eager host floors: a prompt step no shorter than them (the adapters' own floor when
+    it runs adapters), a decode step (a graph replay) untouched."""
+    from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
+
+    def batch(prompt_tokens: int, slot: int) -> ScheduledBatch:
+        rows = [ScheduledSequence(1, [5], 40, [0, 1, 2], True, adapter_slot=slot)]
+        if prompt_tokens:
+            tokens = list(range(prompt_tokens))
+            rows.append(ScheduledSequence(2, tokens, 0, [3], True, adapter_slot=slot))
+        return ScheduledBatch(sequences=rows)
+
+    floors = ["--eager-host-ms", "20", "--eager-host-ms-lora", "40"]
+    plain = StepModel(build_parser().parse_args([]))
+    floored = StepModel(build_parser().parse_args(floors))
+    shared = StepModel(build_parser().parse_args(floors[:2]))
+    for slot in (-1, 0):  # the base model's rows, an adapter's
+        decode = batch(0, slot)
+        assert floored.seconds(decode) == plain.seconds(decode) < 0.02
+    prompt = batch(16, -1)
+    assert plain.seconds(prompt) < 0.02 and floored.seconds(prompt) == 0.020
+    assert floored.seconds(batch(16, 0)) == 0.040 and shared.seconds(batch(16, 0)) == 0.020
+    long_prompt = batch(4096, 0)  # the device's work outlasts the launches
+    assert floored.seconds(long_prompt) == plain.seconds(long_prompt) > 0.040

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.lora_schedule_sim import StepModel, build_parser, run
+from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
 
 SMALL = [
     *("--adapters", "12", "--max-loras", "3", "--rate", "20", "--duration-s", "3"),
@@ -55,7 +56,6 @@ def test_swap_space_moves_paused_sequences_instead_of_preempting_them() -> None:
 def test_a_step_with_prompt_tokens_takes_at_least_the_hosts_launch_time() -> None:
     """The eager host floors: a prompt step no shorter than them (the adapters' own floor when
     it runs adapters), a decode step (a graph replay) untouched."""
-    from services.engine.forward_batch import ScheduledBatch, ScheduledSequence
 
     def batch(prompt_tokens: int, slot: int) -> ScheduledBatch:
         rows = [ScheduledSequence(1, [5], 40, [0, 1, 2], True, adapter_slot=slot)]

@@ -26,7 +26,9 @@ with no router, tokenizer or gRPC: the same requests arrive at the same Poisson 
 (`--duration-s` of arrivals) on the base model, then on the adapters, at the engine's own
 batch cap; each pass reports TTFT, TPOT, output tokens/s to its last finish, the scheduler's
 running, paused and waiting sequences, and profiles `--profile-steps` steps from the middle of
-its arrivals; `lora_over_base_output` is the ratio of the two passes' output tokens/s.
+its arrivals; `lora_over_base_output` is the ratio of the two passes' output tokens/s. With
+`--py-spy DIR` (py-spy installed) each pass's host is sampled while its arrivals last, and the
+pass reports each function's share of the samples under the engine's `step`.
 
     python -m benchmarks.gpu_step_profile --adapters 100 --max-loras 16 --rate 29 \
         --duration-s 45 --low-requests 0 --profile-steps 60 --out lora-poisson.json
@@ -51,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import py_spy
 from benchmarks.gpu_stack import DEFAULT_MODEL, fixed_specs, percentiles_ms
 from benchmarks.lora_stack_adapters import write_adapters
 from loadtest.datasets import choose_adapters
@@ -98,6 +101,9 @@ def run_pass(
     return result
 
 
+ENGINE_STEP_FRAME = "LLMEngine.step (engine/llm_engine.py)"
+
+
 def poisson_pass(
     engine: Any,
     specs: list,
@@ -106,10 +112,15 @@ def poisson_pass(
     tag: str,
     adapters: list[str] | None = None,
     cprofile_to: Path | None = None,
+    spy_to: Path | None = None,
 ) -> dict[str, Any]:
     """`specs[i]` added at `times[i]` s (open loop, as a Poisson load through the stack would
     bring them), stepped until all finish; profiles `profile_steps` steps from the middle of
-    the arrivals. Output tokens/s counts to the last finish, as the stack benchmarks do."""
+    the arrivals, and with `spy_to` samples the host with py-spy while arrivals last (raw
+    stacks there). Output tokens/s counts to the last finish, as the stack benchmarks do."""
+    sampler = py_spy.Sampler(spy_to) if spy_to is not None else None
+    if sampler is not None:
+        sampler.start()  # on failure: its error in the result
     tally = StepTally(engine, profile_steps, profile_from=None)
     tally.cprofile_to = cprofile_to
     middle = times[-1] / 2 if times else 0.0
@@ -124,6 +135,8 @@ def poisson_pass(
             next_index += 1
             if next_index == len(specs):
                 tally.arrivals_end = time.perf_counter() - tally.started
+                if sampler is not None:
+                    sampler.stop()
         if tally.profile_from is None and now >= middle:
             tally.profile_from = len(tally.steps)
         if not engine.has_unfinished():
@@ -135,7 +148,14 @@ def poisson_pass(
         "requests": len(specs),
         **tally.result(adapters),
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+    if sampler is not None:
+        sampler.stop()
+        result["py_spy"] = sampler.error or py_spy.summarize(
+            sampler.raw_path, ENGINE_STEP_FRAME, 60
+        )
+    print(
+        json.dumps({k: v for k, v in result.items() if k not in ("profile", "py_spy")}), flush=True
+    )
     return result
 
 
@@ -530,6 +550,14 @@ def main(argv: list[str] | None = None) -> int:
         help="with --rate: also a cProfile of the host over each pass's profiled steps "
         "(PASS.txt, the costliest functions)",
     )
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        help="with --rate: also sample the host with py-spy while each pass's arrivals last "
+        "(raw stacks in DIR/PASS.txt; the report's py_spy: each function's share of the "
+        "samples under the engine's step)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     import torch
@@ -593,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
         for mix, adapters in mixes:
             run = partial(poisson_pass, engine, specs, times, args.profile_steps)
             where = None if args.cprofile_dir is None else args.cprofile_dir / f"{mix}.txt"
-            _record(report, args.out, mix, partial(run, f"poisson-{mix}", adapters, where))
+            spy = None if args.py_spy is None else args.py_spy / f"{mix}.txt"
+            _record(report, args.out, mix, partial(run, f"poisson-{mix}", adapters, where, spy))
         if len(report["passes"]) == 2:
             base, lora_pass = (p["output_tok_s"] for p in report["passes"])
             report["lora_over_base_output"] = round(lora_pass / base, 3)

@@ -129,7 +129,11 @@ class SimAdapters(EngineAdapters):
             executor=_AtOnce(),
             clock=clock,
         )
-        self.gate = AdapterGate(self.manager, slot_quantum_s=config.slot_quantum_ms / 1000.0)
+        self.gate = AdapterGate(
+            self.manager,
+            slot_quantum_s=config.slot_quantum_ms / 1000.0,
+            first_token_joins=config.first_token_joins,
+        )
 
     def begin_step(self, batch: ScheduledBatch) -> None:
         LoRABatch.from_scheduled(batch)
@@ -161,6 +165,7 @@ def build_engine(args: argparse.Namespace, clock: Clock, *, lora: bool) -> LLMEn
         max_loras=args.max_loras,
         max_cpu_loras=max(args.adapters, args.max_loras),
         lora_slot_quantum_ms=args.slot_quantum_ms,
+        lora_first_token_joins=args.first_token_joins,
         stats_log_interval_s=0,
     )
     engine = Engine(config, model_runner=runner)
@@ -348,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="model: the same for a step that runs adapters (default: --eager-host-ms)",
+    )
+    add(
+        "--first-token-joins",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a request yet to give its first token may join its adapter's draining slot "
+        "(the engine's --lora-first-token-joins)",
     )
     add("--write-ms", type=float, default=3.0, help="a slot write's copy time")
     add("--swap-blocks", type=int, default=0, help="host swap space for paused KV, blocks")

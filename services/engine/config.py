@@ -159,6 +159,14 @@ class EngineConfig:
         "changes hands, so up to max_cpu_loras adapters are served at once; 0 = a request "
         "keeps its adapter's slot to the end, and at most max_loras adapters are in flight",
     )
+    lora_first_token_joins: bool = field(
+        True,
+        help="with time-sliced slots, a request yet to give its first token may join its "
+        "adapter's slot while that slot drains for another adapter (its sequences still "
+        "running): it is prefilled beside them and paused with them when the slot changes "
+        "hands, rather than waiting for the adapter's next turn for its first token; "
+        "--no-lora-first-token-joins makes it wait",
+    )
     lora_load_workers: int = field(
         DEFAULT_LOAD_WORKERS,
         help="threads that read, verify and lay out LoRA adapters from disk into host memory "

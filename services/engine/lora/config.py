@@ -33,6 +33,8 @@ class LoRAConfig:
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     adapter_root: str | None = None
     slot_quantum_ms: float = DEFAULT_SLOT_QUANTUM_MS  # 0: no time-slicing of device slots
+    # time-slicing: a request yet to give its first token may join its adapter's draining slot
+    first_token_joins: bool = True
     # threads reading, verifying and laying out adapters from disk at once (off the step loop)
     load_workers: int = DEFAULT_LOAD_WORKERS
     # GPU kernels: K splits summed in a fixed order (False: float atomics, order of finishing)
@@ -60,7 +62,13 @@ class LoRAConfig:
         quantum = self.slot_quantum_ms
         if isinstance(quantum, bool) or not isinstance(quantum, int | float) or quantum < 0:
             raise InvalidArgumentError(f"slot_quantum_ms must be >= 0, got {quantum!r}")
-        for name in ("deterministic", "fused_decode", "fused_swiglu", "side_deltas"):
+        for name in (
+            "deterministic",
+            "fused_decode",
+            "fused_swiglu",
+            "side_deltas",
+            "first_token_joins",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.adapter_root is not None and (
@@ -82,6 +90,8 @@ class LoRAConfig:
         }
         if hasattr(config, "lora_slot_quantum_ms"):
             values["slot_quantum_ms"] = config.lora_slot_quantum_ms
+        if hasattr(config, "lora_first_token_joins"):
+            values["first_token_joins"] = config.lora_first_token_joins
         if hasattr(config, "lora_load_workers"):
             values["load_workers"] = config.lora_load_workers
         if hasattr(config, "lora_deterministic"):

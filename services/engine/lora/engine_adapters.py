@@ -85,7 +85,11 @@ class EngineAdapters:
             or ThreadPoolExecutor(config.load_workers, thread_name_prefix="lora-load"),
             on_load_done=on_load_done,
         )
-        self.gate = AdapterGate(self.manager, slot_quantum_s=config.slot_quantum_ms / 1000.0)
+        self.gate = AdapterGate(
+            self.manager,
+            slot_quantum_s=config.slot_quantum_ms / 1000.0,
+            first_token_joins=config.first_token_joins,
+        )
 
     @property
     def adapter_capacity(self) -> int:

@@ -7,7 +7,10 @@ scheduler calls `acquire(seq)` before admitting a waiting sequence — False whi
 loading or no slot can be had, so the sequence stays waiting and others go ahead — and
 `release(seq)` when it preempts, pauses or finishes one; `seq.adapter_slot` is the slot it runs
 with. With slot time-slicing (`slot_quantum_s` > 0), `slots_to_yield()` names the slots whose
-running sequences the scheduler pauses so that waiting adapters get the slots.
+running sequences the scheduler pauses so that waiting adapters get the slots, and a request
+yet to give its first token may join its adapter's draining slot beside the sequences still
+running there (`first_token_joins`): it is paused with them at the turn, which comes when it
+would have anyway.
 """
 
 from __future__ import annotations
@@ -24,9 +27,17 @@ from services.engine.sequence import Sequence
 class AdapterGate:
     """Which registered adapter each live sequence uses, and the slot it holds while it runs."""
 
-    def __init__(self, manager: AdapterManager, *, slot_quantum_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        manager: AdapterManager,
+        *,
+        slot_quantum_s: float = 0.0,
+        first_token_joins: bool = True,
+    ) -> None:
         self.manager = manager
         self.slot_quantum_s = slot_quantum_s  # 0: running sequences keep their slot to the end
+        # a sequence yet to give its first token may join its adapter's draining slot
+        self.first_token_joins = first_token_joins
         self._records: dict[int, AdapterRecord] = {}
 
     def hold(self, seq: Sequence) -> AdapterRecord | None:
@@ -45,7 +56,8 @@ class AdapterGate:
         record = self._records.get(seq.seq_id)
         if record is None or seq.adapter_slot != BASE_SLOT:
             return True
-        slot = self.manager.acquire(record)  # None too while its weights are not in memory
+        # None too while its weights are not in memory
+        slot = self.manager.acquire(record, first_token=self._awaits_first_token(seq))
         if slot is None:
             return False
         seq.adapter_slot = slot
@@ -71,22 +83,25 @@ class AdapterGate:
         manager = self.manager
         if manager.drain_due():
             return True
-        seen: set[int] = set()
+        seen: set[tuple[int, bool]] = set()
         for seq in sequences:
             record = self._records.get(seq.seq_id)
             if record is None:
                 return True
-            if id(record) in seen:
+            first_token = self._awaits_first_token(seq)
+            if (id(record), first_token) in seen:
                 continue
-            seen.add(id(record))
-            if manager.could_acquire(record):
+            seen.add((id(record), first_token))
+            if manager.could_acquire(record, first_token=first_token):
                 return True
         return False
 
     def could_acquire(self, seq: Sequence) -> bool:
         """Whether `acquire(seq)` could pin its adapter's slot now (changes nothing)."""
         record = self._records.get(seq.seq_id)
-        return record is None or self.manager.could_acquire(record)
+        return record is None or self.manager.could_acquire(
+            record, first_token=self._awaits_first_token(seq)
+        )
 
     def drop(self, seq: Sequence) -> None:
         """The request is finished or aborted: release its slot and its demand."""
@@ -105,6 +120,13 @@ class AdapterGate:
             for seq_id, record in self._records.items()
             if record.key in failed
         ]
+
+    def _awaits_first_token(self, seq: Sequence) -> bool:
+        """Whether `seq` may join a draining slot: joining is on, the slots are time-sliced
+        (a draining slot then yields after its quantum, joiners or not; without time-slicing
+        it drains only as its sequences end, and joiners could keep it from ever changing
+        hands), and it has given no token yet (never run, or preempted or paused before)."""
+        return self.first_token_joins and self.slot_quantum_s > 0 and seq.num_output_tokens == 0
 
     @property
     def num_held(self) -> int:

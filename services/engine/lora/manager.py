@@ -150,15 +150,23 @@ class AdapterManager:
         """Whether a sequence of this adapter can get a slot now (its weights are in memory)."""
         return record.key in self._host or self._slot_of(record.key) is not None
 
-    def acquire(self, record: AdapterRecord) -> int | None:
+    def acquire(self, record: AdapterRecord, *, first_token: bool = False) -> int | None:
         """Pin a device slot holding `record` (writing it if needed); None: none can be had now.
 
         When every slot is pinned, the one running the fewest sequences (the least recently
         acquired among equals) starts draining (one per adapter waiting): it takes no new pins,
         so once its running sequences end (or are paused: `slots_to_yield`) a waiting adapter
         gets it (no adapter waits forever behind a steady stream of requests for resident ones).
+        A request yet to give its first token (`first_token`) may still join a draining slot
+        whose sequences run: it is prefilled beside them and paused with them when the slot
+        yields, which happens when it would have anyway, so the drain takes no longer while the
+        request's first token need not wait for its adapter's next turn.
         """
         key = record.key
+        if first_token and self._joinable(key):
+            entry = self._slots[self._slot_by_key[key]]
+            entry.pins += 1
+            return self._slot_by_key[key]
         if self._refused.get(key) == self._version:
             return None  # refused since the last change that could free a slot for it
         slot = self._try_acquire(record)
@@ -197,8 +205,19 @@ class AdapterManager:
         self._slot_order.move_to_end(slot)
         return slot
 
-    def could_acquire(self, record: AdapterRecord) -> bool:
+    def _joinable(self, key: Key) -> bool:
+        """Whether `key`'s slot is draining with sequences still running in it (and its copy
+        landed): a first token may join it (`acquire`)."""
+        slot = self._slot_of(key)
+        if slot is None or slot not in self._draining:
+            return False
+        entry = self._slots[slot]
+        return entry.pins > 0 and entry.pending is None
+
+    def could_acquire(self, record: AdapterRecord, *, first_token: bool = False) -> bool:
         """Whether `acquire(record)` could pin a slot now (changes nothing)."""
+        if first_token and self._joinable(record.key):
+            return True
         slot = self._slot_of(record.key)
         if slot is not None:
             pending = self._slots[slot].pending

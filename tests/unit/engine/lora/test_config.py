@@ -110,6 +110,25 @@ def test_the_side_deltas_flag_is_on_by_default_and_reaches_the_lora_config() -> 
         LoRAConfig(side_deltas="on")
 
 
+def test_the_first_token_join_is_on_by_default_and_reaches_the_gate() -> None:
+    from services.engine.lora.engine_adapters import EngineAdapters
+    from services.engine.worker_config import WorkerConfig
+    from tests.lora_adapters import tiny_model_config
+
+    assert LoRAConfig().first_token_joins
+    assert LoRAConfig.from_engine_config(EngineConfig()).first_token_joins
+    engine = WorkerConfig.from_argv(["--no-lora-first-token-joins"]).engine
+    off = LoRAConfig.from_engine_config(engine)
+    assert not off.first_token_joins
+    with pytest.raises(InvalidArgumentError, match="first_token_joins"):
+        LoRAConfig(first_token_joins="yes")
+    adapters = EngineAdapters(off, tiny_model_config(), dtype=torch.float32, device="cpu")
+    try:
+        assert adapters.gate.first_token_joins is False
+    finally:
+        adapters.manager.shutdown()
+
+
 def test_deltas_are_left_to_a_kernel_only_while_it_runs_the_model_and_asks_this_runtime() -> None:
     """LoRARuntime leaves gate_up's deltas to SwiGLU (tile_consumer) only where that kernel
     will run next and ask it: the fast path bound (not its plain-torch reference mode), its

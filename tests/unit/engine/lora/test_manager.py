@@ -365,3 +365,26 @@ def test_a_slot_whose_copy_is_running_takes_no_sequence_until_it_lands() -> None
     assert manager.wait_for_writes() == 1 and writes[slot_b].waited
     assert manager.num_pending_writes == 0 and manager.acquire(b) == slot_b
     assert manager.wait_for_writes() == 0
+
+
+def test_a_first_token_joins_a_draining_slot_while_its_sequences_run() -> None:
+    now = [10.0]
+    manager, executor, _ = make(max_loras=1, max_cpu_loras=2, clock=lambda: now[0])
+    a, b = _load(manager, executor, "a", "b")
+    slot = manager.acquire(a)
+    assert manager.acquire(b) is None and manager.draining_slots == (slot,)
+    # a resumed or decoding sequence of a may not take the draining slot again ...
+    assert manager.acquire(a) is None and not manager.could_acquire(a)
+    # ... a request of a yet to give its first token may, beside the running one
+    assert manager.could_acquire(a, first_token=True)
+    now[0] += 0.3
+    assert manager.acquire(a, first_token=True) == slot
+    # the slot still yields a quantum after its drain began, not after the join
+    now[0] += 0.25
+    assert manager.slots_to_yield(0.5) == [slot]
+    manager.release(slot)
+    manager.release(slot)
+    # nothing of a runs there any more: a new request of a waits for a's next turn
+    assert manager.acquire(a, first_token=True) is None
+    assert not manager.could_acquire(a, first_token=True)
+    assert manager.acquire(b) == slot

@@ -138,41 +138,54 @@ def test_a_failed_load_names_the_waiting_sequences() -> None:
     assert engine.gate.num_held == 0
 
 
-def test_a_turn_is_due_only_when_a_schedule_could_change_who_holds_the_slots() -> None:
-    """What lets the engine plan a step ahead (services/engine/overlap.py) with requests paused
-    or waiting for a slot: nothing a plain schedule would do for them now."""
-    now = [0.0]
-    executor = ManualExecutor()
-    manager = AdapterManager(
-        max_loras=1,
-        max_cpu_loras=2,
-        load=lambda record: record.name,
-        write_slot=lambda slot, weights: None,
-        executor=executor,
-        clock=lambda: now[0],
-    )
-    for name in ("a", "b"):
-        manager.register(AdapterRecord(name, name, "sum", 8, ("q_proj",)))
-    gate = AdapterGate(manager, slot_quantum_s=0.5)
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
-    scheduler = Scheduler(config, BlockManager(64, 4), gate)
+class SlicedSlots:
+    """One slot time-sliced at 0.5 s between adapters a and b, on a clock the test moves."""
 
-    def add(adapter: str | None) -> Sequence:
+    def __init__(self, *, first_token_joins: bool = True) -> None:
+        self.now = [0.0]
+        self.executor = ManualExecutor()
+        self.manager = AdapterManager(
+            max_loras=1,
+            max_cpu_loras=2,
+            load=lambda record: record.name,
+            write_slot=lambda slot, weights: None,
+            executor=self.executor,
+            clock=lambda: self.now[0],
+        )
+        for name in ("a", "b"):
+            self.manager.register(AdapterRecord(name, name, "sum", 8, ("q_proj",)))
+        self.gate = AdapterGate(
+            self.manager, slot_quantum_s=0.5, first_token_joins=first_token_joins
+        )
+        config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+        self.scheduler = Scheduler(config, BlockManager(64, 4), self.gate)
+
+    def parts(self) -> tuple:
+        """(clock, manager, scheduler, add, step)."""
+        return self.now, self.manager, self.scheduler, self.add, self.step
+
+    def add(self, adapter: str | None) -> Sequence:
         seq_id = next(_ids)
         params = SamplingParams(max_tokens=50)
         seq = Sequence(seq_id, f"r{seq_id}", [1, 2, 3, 4], params, adapter=adapter)
-        gate.hold(seq)
-        scheduler.add(seq)
+        self.gate.hold(seq)
+        self.scheduler.add(seq)
         return seq
 
-    def step() -> None:
-        gate.poll()
-        executor.run_all()
-        gate.poll()
-        for seq, count in scheduler.schedule().scheduled:
+    def step(self) -> None:
+        self.gate.poll()
+        self.executor.run_all()
+        self.gate.poll()
+        for seq, count in self.scheduler.schedule().scheduled:
             seq.num_computed_tokens += count
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.append_token(5)
+
+
+def test_a_turn_is_due_only_when_a_schedule_could_change_who_holds_the_slots() -> None:
+    """What lets the engine plan a step ahead (services/engine/overlap.py) with requests paused
+    or waiting for a slot: nothing a plain schedule would do for them now."""
+    now, manager, scheduler, add, step = SlicedSlots().parts()
 
     first = add("a")
     step()
@@ -197,3 +210,30 @@ def test_a_turn_is_due_only_when_a_schedule_could_change_who_holds_the_slots() -
     assert scheduler.adapter_turn_due()  # a base-model request can always be admitted
     step()
     assert base in scheduler.running
+
+
+@pytest.mark.parametrize("joins", [True, False])
+def test_a_new_request_of_a_draining_adapter_gets_its_first_token_before_the_turn(
+    joins: bool,
+) -> None:
+    """With --lora-first-token-joins (the default) a request whose adapter's slot is draining
+    for another adapter is prefilled beside that adapter's running sequences and paused with
+    them at the turn; without it, it waits for its adapter's next turn."""
+    now, manager, scheduler, add, step = SlicedSlots(first_token_joins=joins).parts()
+
+    first = add("a")
+    step()
+    b = add("b")
+    step()  # b's weights load; a's slot starts draining for it
+    assert manager.draining_slots == (0,) and b.status is SequenceStatus.WAITING
+    late = add("a")
+    step()
+    if joins:
+        assert late in scheduler.running and late.num_output_tokens == 1
+    else:
+        assert late.status is SequenceStatus.WAITING and late.num_output_tokens == 0
+    now[0] += 0.6
+    step()  # the turn: a's sequences pause (the joiner too), b runs
+    assert b in scheduler.running and first in scheduler.paused
+    assert (late in scheduler.paused) is joins
+    assert scheduler.num_pauses == (2 if joins else 1)

@@ -129,8 +129,9 @@ def test_tokens_held_for_pacing_stream_the_same_text_and_stops_still_cut(
     stack_factory: Any, client: SluiceClient, hf_tokenizer: Any
 ) -> None:
     """With `--stream-interval 4` the router keeps each request's tokens as ids and has the
-    tokenizer decode them 4 at a time: the text must be what the shared stack (a response per
-    token) streams and what a full decode gives, no character split; a request with stop strings
+    tokenizer decode them 4 at a time (at least 4 a response between the first token and the
+    end): the text must be what the shared stack (a response per token) streams and what a full
+    decode gives, no character split; a request with stop strings
     is decoded every step and still ends at the stop."""
     paced_stack = stack_factory(router_args=("--stream-interval", "4"))
     cases = [
@@ -146,7 +147,12 @@ def test_tokens_held_for_pacing_stream_the_same_text_and_stops_still_cut(
             completion = Completion()
             for response in responses:
                 completion.add(response)
-            assert [len(r.token_ids) for r in responses] == [1, 4, 4, 4, 4, 4, 1]
+            # The first token at once, then 4 at a time (more in one response where the engine
+            # runs ahead of the tokenizer's decode of a group, as on a loaded host), the rest at
+            # the end: never fewer than 4 between the first and the last.
+            sizes = [len(r.token_ids) for r in responses]
+            assert sizes[0] == 1 and sum(sizes) == 22, sizes
+            assert all(size >= 4 for size in sizes[1:-1]) and len(sizes) <= 7, sizes
             assert completion.token_ids == reference.token_ids, prompt
             full = hf_tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             assert completion.text == reference.text == full, prompt

@@ -147,9 +147,9 @@ def test_tokens_held_for_pacing_stream_the_same_text_and_stops_still_cut(
             completion = Completion()
             for response in responses:
                 completion.add(response)
-            # The first token at once, then 4 at a time (more in one response where the engine
-            # runs ahead of the tokenizer's decode of a group, as on a loaded host), the rest at
-            # the end: never fewer than 4 between the first and the last.
+            # The first token at once, then 4 at a time (two groups merged into one response
+            # where the stream's reader falls behind, as on a loaded host), the rest at the end:
+            # never fewer than 4 between the first and the last.
             sizes = [len(r.token_ids) for r in responses]
             assert sizes[0] == 1 and sum(sizes) == 22, sizes
             assert all(size >= 4 for size in sizes[1:-1]) and len(sizes) <= 7, sizes

@@ -57,7 +57,7 @@ class AdapterGate:
         if record is None or seq.adapter_slot != BASE_SLOT:
             return True
         # None too while its weights are not in memory
-        slot = self.manager.acquire(record, first_token=self._awaits_first_token(seq))
+        slot = self.manager.acquire(record, first_token=self._may_join(seq))
         if slot is None:
             return False
         seq.adapter_slot = slot
@@ -88,20 +88,18 @@ class AdapterGate:
             record = self._records.get(seq.seq_id)
             if record is None:
                 return True
-            first_token = self._awaits_first_token(seq)
-            if (id(record), first_token) in seen:
+            joins = self._may_join(seq)
+            if (id(record), joins) in seen:
                 continue
-            seen.add((id(record), first_token))
-            if manager.could_acquire(record, first_token=first_token):
+            seen.add((id(record), joins))
+            if manager.could_acquire(record, first_token=joins):
                 return True
         return False
 
     def could_acquire(self, seq: Sequence) -> bool:
         """Whether `acquire(seq)` could pin its adapter's slot now (changes nothing)."""
         record = self._records.get(seq.seq_id)
-        return record is None or self.manager.could_acquire(
-            record, first_token=self._awaits_first_token(seq)
-        )
+        return record is None or self.manager.could_acquire(record, first_token=self._may_join(seq))
 
     def drop(self, seq: Sequence) -> None:
         """The request is finished or aborted: release its slot and its demand."""
@@ -121,7 +119,7 @@ class AdapterGate:
             if record.key in failed
         ]
 
-    def _awaits_first_token(self, seq: Sequence) -> bool:
+    def _may_join(self, seq: Sequence) -> bool:
         """Whether `seq` may join a draining slot: joining is on, the slots are time-sliced
         (a draining slot then yields after its quantum, joiners or not; without time-slicing
         it drains only as its sequences end, and joiners could keep it from ever changing

@@ -164,9 +164,9 @@ class AdapterManager:
         """
         key = record.key
         if first_token and self._joinable(key):
-            entry = self._slots[self._slot_by_key[key]]
-            entry.pins += 1
-            return self._slot_by_key[key]
+            slot = self._slot_by_key[key]
+            self._slots[slot].pins += 1
+            return slot
         if self._refused.get(key) == self._version:
             return None  # refused since the last change that could free a slot for it
         slot = self._try_acquire(record)
